@@ -1,0 +1,413 @@
+"""Triton kernels: one forward and one backward kernel, specialised by constexpr flags.
+
+Design notes
+------------
+* Forward, one program per row. The row is read once: every optional input is combined into the
+  fp32 pre-norm sum ``s`` in registers, ``s`` is stored as the residual stream if asked, the
+  statistics are taken from the fp32 ``s`` (two-pass mean/variance over registers, which is as
+  accurate as Welford and cheaper), and ``y = xhat * w + b`` is written.
+  Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
+  the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
+  Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
+  it is not stored) and normalises.
+* Dropout masks are never stored for the backward: each row has an int64 seed, and
+  ``tl.rand(seed, col)`` regenerates the same keep/drop decision in the backward. Rows of ``x``
+  use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
+* Backward, a persistent grid: program ``p`` owns the contiguous rows
+  ``[p * rows_per_program, (p + 1) * rows_per_program)`` and keeps fp32 partial sums of dW/dB in
+  registers, written once to row ``p`` of a ``(num_programs, N)`` buffer that the host sums.
+  No atomics, no locks: the result is bitwise deterministic. Wide rows keep the partials in that
+  buffer instead of registers (read-modify-write of the program's own row; still deterministic).
+* Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
+
+The maths (per row, N columns, fp32):
+    forward   s = [dropout(x * rowscale * layerscale)] + [dropout(x1)] + [residual]
+              LayerNorm: mean = sum(s)/N, xhat = (s - mean) * rstd, rstd = 1/sqrt(var + eps)
+              RMSNorm:   xhat = s * rstd,  rstd = 1/sqrt(sum(s^2)/N + eps)
+              y = xhat * w + b, y1 = xhat * w1 + b1
+    backward  wdy = w * dy (+ w1 * dy1),  c1 = sum(xhat * wdy) / N,  c2 = sum(wdy) / N
+              LayerNorm: ds = (wdy - (xhat * c1 + c2)) * rstd
+              RMSNorm:   ds = (wdy - xhat * c1) * rstd
+              ds += dresidual_out (prenorm);  dresidual = ds
+              dx = ds * keep / (1 - p) * rowscale * layerscale,  dx1 = ds * keep1 / (1 - p)
+              dw += dy * xhat, db += dy (likewise dw1, db1), dlayerscale += dx_pre * x
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _combine_inputs(
+    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+    row, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
+    HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr,
+):  # fmt: skip
+    """The fp32 pre-norm sum ``s`` of one row chunk (zero beyond N)."""
+    x = tl.load(X + row * stride_x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_ROWSCALE:
+        x *= tl.load(ROWSCALE + row).to(tl.float32)
+    if HAS_LAYERSCALE:
+        x *= tl.load(LAYERSCALE + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols) > dropout_p
+        x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
+        if STORE_MASK:
+            tl.store(MASK + row * N + cols, keep, mask=col_mask)
+    if HAS_X1:
+        x1 = tl.load(X1 + row * stride_x1_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols) > dropout_p
+            x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
+            if STORE_MASK:
+                tl.store(MASK1 + row * N + cols, keep1, mask=col_mask)
+        x += x1
+    if HAS_RESIDUAL:
+        x += tl.load(RESIDUAL + row * stride_res_row + cols, mask=col_mask, other=0.0).to(
+            tl.float32
+        )
+    return x
+
+
+@triton.jit
+def _normalize_store(
+    xhat, cols, col_mask, row, W, B, Y, stride_y_row,
+    HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """y = xhat * w + b for one row chunk, stored in Y's dtype."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w += 1.0
+    y = xhat * w
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
+
+
+@triton.jit
+def _fused_norm_fwd_kernel(
+    X,             # (M, N) input x
+    Y,             # (M, N) output y
+    W,             # (N,) weight
+    B,             # (N,) bias (if HAS_BIAS)
+    RESIDUAL,      # (M, N) residual (if HAS_RESIDUAL)
+    X1,            # (M, N) second input (if HAS_X1)
+    W1,            # (N,) second weight (if HAS_W1)
+    B1,            # (N,) second bias (if HAS_B1)
+    Y1,            # (M, N) second output (if HAS_W1)
+    RESIDUAL_OUT,  # (M, N) pre-norm residual stream (if STORE_RESIDUAL_OUT)
+    ROWSCALE,      # (M,) per-row scale of x (if HAS_ROWSCALE)
+    LAYERSCALE,    # (N,) per-column scale of x (if HAS_LAYERSCALE)
+    SEEDS,         # (2M,) int64 dropout seeds, x rows then x1 rows (if HAS_DROPOUT)
+    MASK,          # (M, N) bool keep-mask of x, contiguous (if STORE_MASK)
+    MASK1,         # (M, N) bool keep-mask of x1, contiguous (if STORE_MASK and HAS_X1)
+    MEAN,          # (M,) fp32 mean (if not IS_RMS_NORM)
+    RSTD,          # (M,) fp32 1 / std
+    stride_x_row, stride_y_row, stride_res_row, stride_x1_row, stride_y1_row,
+    stride_res_out_row,
+    M, N,          # rows, columns
+    eps,           # variance epsilon
+    dropout_p,     # drop probability (if HAS_DROPOUT)
+    BLOCK_N: tl.constexpr,        # columns per chunk (power of two)
+    NUM_CHUNKS: tl.constexpr,     # cdiv(N, BLOCK_N); 1 keeps the whole row in registers
+    IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_X1: tl.constexpr,
+    HAS_W1: tl.constexpr,
+    HAS_B1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_MASK: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    if NUM_CHUNKS == 1:
+        col_mask = cols < N
+        s = _combine_inputs(
+            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+            row, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
+            HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK,
+        )  # fmt: skip
+        if STORE_RESIDUAL_OUT:
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
+        if IS_RMS_NORM:
+            var = tl.sum(s * s, axis=0) / N
+        else:
+            mean = tl.sum(s, axis=0) / N
+            s = tl.where(col_mask, s - mean, 0.0)
+            var = tl.sum(s * s, axis=0) / N
+            tl.store(MEAN + row, mean)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(RSTD + row, rstd)
+        xhat = s * rstd
+        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
+                         HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+        if HAS_W1:
+            _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                             HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    else:
+        # Sweep 1: form s chunk by chunk, store it, and merge (count, mean, M2) per chunk.
+        mean = 0.0
+        m2 = 0.0
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            col_mask = ccols < N
+            s = _combine_inputs(
+                X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+                row, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+                dropout_p, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+                STORE_MASK,
+            )  # fmt: skip
+            if STORE_RESIDUAL_OUT:
+                tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
+            if IS_RMS_NORM:
+                m2 += tl.sum(s * s, axis=0)
+            else:
+                n_prev = c * BLOCK_N * 1.0
+                n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+                mean_c = tl.sum(s, axis=0) / n_c
+                d = tl.where(col_mask, s - mean_c, 0.0)
+                delta = mean_c - mean
+                n_new = n_prev + n_c
+                mean += delta * (n_c / n_new)
+                m2 += tl.sum(d * d, axis=0) + delta * delta * (n_prev * n_c / n_new)
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        tl.store(RSTD + row, rstd)
+        if not IS_RMS_NORM:
+            tl.store(MEAN + row, mean)
+        # Sweep 2: normalise. The residual stream is re-read where it was stored (mostly from
+        # L2); otherwise s is formed again from the inputs (dropout regenerates the same mask).
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            col_mask = ccols < N
+            if STORE_RESIDUAL_OUT:
+                s = tl.load(RESIDUAL_OUT + row * stride_res_out_row + ccols, mask=col_mask,
+                            other=0.0).to(tl.float32)  # fmt: skip
+            else:
+                s = _combine_inputs(
+                    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+                    row, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+                    dropout_p, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+                    False,
+                )  # fmt: skip
+            if IS_RMS_NORM:
+                xhat = s * rstd
+            else:
+                xhat = (s - mean) * rstd
+            _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row,
+                             HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+            if HAS_W1:
+                _normalize_store(xhat, ccols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                                 HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
+def _row_grads(
+    S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+    stride_dy1_row, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """xhat, dy, dy1 and wdy = w*dy (+ w1*dy1) of one row chunk, all fp32 and zero beyond N."""
+    s = tl.load(S + row * stride_s_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + row)
+    if IS_RMS_NORM:
+        xhat = s * rstd
+    else:
+        xhat = tl.where(col_mask, (s - tl.load(MEAN + row)) * rstd, 0.0)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w = tl.where(col_mask, w + 1.0, 0.0)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    wdy = w * dy
+    dy1 = dy  # placeholder when there is no second output
+    if HAS_W1:
+        w1 = tl.load(W1 + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED_WEIGHT:
+            w1 = tl.where(col_mask, w1 + 1.0, 0.0)
+        dy1 = tl.load(DY1 + row * stride_dy1_row + cols, mask=col_mask, other=0.0).to(
+            tl.float32
+        )
+        wdy += w1 * dy1
+    return xhat, dy, dy1, wdy
+
+
+@triton.jit
+def _input_grads(
+    ds, row, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL,
+    stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p,
+    STORE_DRESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """Store dresidual, dx1, dx of one row chunk from ds; return dx before layerscale * x0
+    (the row's contribution to d(layerscale)), or a zero placeholder."""
+    if STORE_DRESIDUAL:
+        tl.store(DRESIDUAL + row * stride_dres_row + cols, ds, mask=col_mask)
+    if HAS_X1:
+        dx1 = ds
+        if HAS_DROPOUT:
+            keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols) > dropout_p
+            dx1 = tl.where(keep1, ds / (1.0 - dropout_p), 0.0)
+        tl.store(DX1 + row * stride_dx1_row + cols, dx1, mask=col_mask)
+    dx = ds
+    if HAS_DROPOUT:
+        keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols) > dropout_p
+        dx = tl.where(keep, dx / (1.0 - dropout_p), 0.0)
+    if HAS_ROWSCALE:
+        dx *= tl.load(ROWSCALE + row).to(tl.float32)
+    dls = dx
+    if HAS_LAYERSCALE:
+        x0 = tl.load(X0 + row * stride_x0_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dls = dx * x0
+        dx *= tl.load(LAYERSCALE + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(DX + row * stride_dx_row + cols, dx, mask=col_mask)
+    return dls
+
+
+@triton.jit
+def _fused_norm_bwd_kernel(
+    S,             # (M, N) the normalised pre-norm sum (residual stream, or x itself)
+    W,             # (N,) weight
+    W1,            # (N,) second weight (if HAS_W1)
+    MEAN,          # (M,) fp32 (if not IS_RMS_NORM)
+    RSTD,          # (M,) fp32
+    DY,            # (M, N) grad of y
+    DY1,           # (M, N) grad of y1 (if HAS_W1)
+    DRESIDUAL_OUT, # (M, N) grad of the residual stream output (if HAS_DRESIDUAL_OUT)
+    X0,            # (M, N) x, for d(layerscale) (if HAS_LAYERSCALE)
+    LAYERSCALE,    # (N,) (if HAS_LAYERSCALE)
+    ROWSCALE,      # (M,) (if HAS_ROWSCALE)
+    SEEDS,         # (2M,) int64 dropout seeds (if HAS_DROPOUT)
+    DX,            # (M, N) grad of x
+    DX1,           # (M, N) grad of x1 (if HAS_X1)
+    DRESIDUAL,     # (M, N) grad of residual (if STORE_DRESIDUAL)
+    DW_PART,       # (P, N) fp32 partial dW, one row per program
+    DB_PART,       # (P, N) fp32 partial dB (if HAS_BIAS)
+    DW1_PART,      # (P, N) fp32 partial dW1 (if HAS_W1)
+    DB1_PART,      # (P, N) fp32 partial dB1 (if HAS_B1)
+    DLS_PART,      # (P, N) fp32 partial d(layerscale) (if HAS_LAYERSCALE)
+    stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
+    stride_dx_row, stride_dx1_row, stride_dres_row,
+    M, N,
+    dropout_p,
+    rows_per_program,  # contiguous rows owned by each program
+    BLOCK_N: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_W1: tl.constexpr,
+    HAS_B1: tl.constexpr,
+    HAS_X1: tl.constexpr,
+    HAS_DRESIDUAL_OUT: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    cols = tl.arange(0, BLOCK_N)
+    part = pid.to(tl.int64) * N
+    if NUM_CHUNKS == 1:
+        col_mask = cols < N
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for row in range(row_start, row_end):
+            xhat, dy, dy1, wdy = _row_grads(
+                S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row,
+                stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
+            dw += dy * xhat
+            if HAS_BIAS:
+                db += dy
+            if HAS_W1:
+                dw1 += dy1 * xhat
+                if HAS_B1:
+                    db1 += dy1
+            rstd = tl.load(RSTD + row)
+            c1 = tl.sum(xhat * wdy, axis=0) / N
+            if IS_RMS_NORM:
+                ds = (wdy - xhat * c1) * rstd
+            else:
+                c2 = tl.sum(wdy, axis=0) / N
+                ds = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_DRESIDUAL_OUT:
+                ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=col_mask,
+                              other=0.0).to(tl.float32)  # fmt: skip
+            dls_row = _input_grads(
+                ds, row, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+                DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
+                dropout_p, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+            )  # fmt: skip
+            if HAS_LAYERSCALE:
+                dls += dls_row
+        tl.store(DW_PART + part + cols, dw, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DB_PART + part + cols, db, mask=col_mask)
+        if HAS_W1:
+            tl.store(DW1_PART + part + cols, dw1, mask=col_mask)
+            if HAS_B1:
+                tl.store(DB1_PART + part + cols, db1, mask=col_mask)
+        if HAS_LAYERSCALE:
+            tl.store(DLS_PART + part + cols, dls, mask=col_mask)
+    else:
+        # Wide rows: the partial sums live in the program's own row of the (P, N) buffers,
+        # zeroed by the host, and are updated chunk by chunk.
+        for row in range(row_start, row_end):
+            c1 = 0.0
+            c2 = 0.0
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                col_mask = ccols < N
+                xhat, dy, dy1, wdy = _row_grads(
+                    S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
+                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                c1 += tl.sum(xhat * wdy, axis=0)
+                c2 += tl.sum(wdy, axis=0)
+            c1 = c1 / N
+            c2 = c2 / N
+            rstd = tl.load(RSTD + row)
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_N + cols
+                col_mask = ccols < N
+                xhat, dy, dy1, wdy = _row_grads(
+                    S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
+                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                if IS_RMS_NORM:
+                    ds = (wdy - xhat * c1) * rstd
+                else:
+                    ds = (wdy - (xhat * c1 + c2)) * rstd
+                if HAS_DRESIDUAL_OUT:
+                    ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + ccols,
+                                  mask=col_mask, other=0.0).to(tl.float32)  # fmt: skip
+                dls_row = _input_grads(
+                    ds, row, ccols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+                    DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
+                    dropout_p, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+                    HAS_DROPOUT,
+                )  # fmt: skip
+                p_dw = DW_PART + part + ccols
+                tl.store(p_dw, tl.load(p_dw, mask=col_mask) + dy * xhat, mask=col_mask)
+                if HAS_BIAS:
+                    p_db = DB_PART + part + ccols
+                    tl.store(p_db, tl.load(p_db, mask=col_mask) + dy, mask=col_mask)
+                if HAS_W1:
+                    p_dw1 = DW1_PART + part + ccols
+                    tl.store(p_dw1, tl.load(p_dw1, mask=col_mask) + dy1 * xhat, mask=col_mask)
+                    if HAS_B1:
+                        p_db1 = DB1_PART + part + ccols
+                        tl.store(p_db1, tl.load(p_db1, mask=col_mask) + dy1, mask=col_mask)
+                if HAS_LAYERSCALE:
+                    p_dls = DLS_PART + part + ccols
+                    tl.store(p_dls, tl.load(p_dls, mask=col_mask) + dls_row, mask=col_mask)

@@ -1,0 +1,296 @@
+"""Host side: argument validation, and the launchers of the forward and backward kernels.
+
+The launchers take 2-D ``(M, N)`` tensors (the autograd layer flattens), allocate every output
+on the input's device, and launch under that device's guard on its current stream. The kernel
+launches are wrapped as ``torch.library`` custom ops (``fused_norm::fwd`` / ``fused_norm::bwd``)
+that only mutate buffers allocated outside them, so ``torch.compile`` traces the allocations and
+treats the launches as opaque calls with trivial fake implementations. In eager mode the launch
+functions are called directly, which skips the dispatcher's overhead.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+import triton
+
+from . import config
+from .kernels import _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
+
+Tensor = torch.Tensor
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TORCH_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: the one place where arguments are checked.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name, t, shape, device, dtypes, optional=True):
+    if t is None:
+        if not optional:
+            raise TypeError(f"{name} must be a tensor, got None")
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have a floating dtype in ({names}), got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; put all tensors on one device")
+
+
+def check_args(
+    x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+    rowscale=None, layerscale=None, out_dtype=None, out=None, residual_out=None,
+    residual_dtype=None, kernel=True,
+):  # fmt: skip
+    """Raise a TypeError/ValueError naming the first bad argument; return nothing."""
+    dtypes = KERNEL_DTYPES if kernel else TORCH_DTYPES
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"x must have a floating dtype in ({names}), got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    n, dev = x.shape[-1], x.device
+    _check_tensor("weight", weight, (n,), dev, dtypes, optional=False)
+    _check_tensor("bias", bias, (n,), dev, dtypes)
+    _check_tensor("residual", residual, x.shape, dev, dtypes)
+    _check_tensor("x1", x1, x.shape, dev, dtypes)
+    _check_tensor("weight1", weight1, (n,), dev, dtypes)
+    _check_tensor("bias1", bias1, (n,), dev, dtypes)
+    if bias1 is not None and weight1 is None:
+        raise ValueError("bias1 was given without weight1")
+    _check_tensor("rowscale", rowscale, x.shape[:-1], dev, dtypes)
+    _check_tensor("layerscale", layerscale, (n,), dev, dtypes)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if out_dtype is not None and out_dtype not in dtypes:
+        raise TypeError(f"out_dtype must be one of {dtypes} or None, got {out_dtype}")
+    for name, buf, dtype in (
+        ("out", out, out_dtype or x.dtype),
+        ("residual_out", residual_out, residual_dtype),
+    ):
+        if buf is None:
+            continue
+        _check_tensor(name, buf, x.shape, dev, None)
+        if dtype is not None and buf.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {buf.dtype}")
+        if buf.numel() and buf.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+        try:
+            buf.view(-1, n)
+        except RuntimeError as e:
+            raise ValueError(f"{name} must be viewable as (M, N) rows without a copy") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _stride0(t: Optional[Tensor]) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def _fwd_launch(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+    x1: Optional[Tensor], weight1: Optional[Tensor], bias1: Optional[Tensor],
+    rowscale: Optional[Tensor], layerscale: Optional[Tensor], seeds: Optional[Tensor],
+    y: Tensor, y1: Optional[Tensor], residual_out: Optional[Tensor], mean: Optional[Tensor],
+    rstd: Tensor, mask: Optional[Tensor], mask1: Optional[Tensor],
+    eps: float, dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
+) -> None:  # fmt: skip
+    m, n = x.shape
+    if m == 0:
+        return
+    elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
+    block_n, num_chunks, num_warps = config.block_config(n, elem_bytes)
+    with config.device_guard(x.device):
+        _fused_norm_fwd_kernel[(m,)](
+            x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
+            rowscale, layerscale, seeds, mask, mask1, mean, rstd,
+            x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
+            _stride0(residual_out),
+            m, n, eps, dropout_p,
+            BLOCK_N=block_n,
+            NUM_CHUNKS=num_chunks,
+            IS_RMS_NORM=is_rms_norm,
+            HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            HAS_X1=x1 is not None,
+            HAS_W1=weight1 is not None,
+            HAS_B1=bias1 is not None,
+            HAS_ROWSCALE=rowscale is not None,
+            HAS_LAYERSCALE=layerscale is not None,
+            HAS_DROPOUT=dropout_p > 0.0,
+            STORE_MASK=mask is not None,
+            STORE_RESIDUAL_OUT=residual_out is not None,
+            ZERO_CENTERED_WEIGHT=zero_centered_weight,
+            num_warps=num_warps,
+        )  # fmt: skip
+
+
+_fwd_op = torch.library.custom_op(
+    "fused_norm::fwd",
+    _fwd_launch,
+    mutates_args=("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1"),
+)
+_fwd_op.register_fake(lambda *args, **kwargs: None)
+
+
+def fused_norm_fwd(
+    x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, eps, dropout_p,
+    is_rms_norm, zero_centered_weight, out_dtype, residual_dtype, store_residual_out,
+    store_mask=False, y=None, residual_out=None,
+):  # fmt: skip
+    """Run the forward on 2-D ``(M, N)`` tensors (last dim contiguous).
+
+    Returns ``(y, y1, residual_out, mean, rstd, mask, mask1)``; absent parts are None.
+    ``y`` / ``residual_out`` are written in place when given.
+    """
+    m, n = x.shape
+    dev = x.device
+    if y is None:
+        y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    y1 = torch.empty((m, n), dtype=out_dtype, device=dev) if weight1 is not None else None
+    if store_residual_out and residual_out is None:
+        residual_out = torch.empty((m, n), dtype=residual_dtype, device=dev)
+    elif not store_residual_out:
+        residual_out = None
+    mean = None if is_rms_norm else torch.empty((m,), dtype=torch.float32, device=dev)
+    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+    mask = mask1 = None
+    if store_mask and dropout_p > 0.0:
+        mask = torch.empty((m, n), dtype=torch.bool, device=dev)
+        if x1 is not None:
+            mask1 = torch.empty((m, n), dtype=torch.bool, device=dev)
+    launch = _fwd_op if torch.compiler.is_compiling() else _fwd_launch
+    launch(
+        x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds,
+        y, y1, residual_out, mean, rstd, mask, mask1,
+        float(eps), float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
+    )  # fmt: skip
+    return y, y1, residual_out, mean, rstd, mask, mask1
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _bwd_launch(
+    s: Tensor, weight: Tensor, weight1: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
+    dy: Tensor, dy1: Optional[Tensor], dresidual_out: Optional[Tensor], x0: Optional[Tensor],
+    layerscale: Optional[Tensor], rowscale: Optional[Tensor], seeds: Optional[Tensor],
+    dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], dw_part: Tensor,
+    db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor],
+    dls_part: Optional[Tensor], dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
+) -> None:  # fmt: skip
+    m, n = s.shape
+    if m == 0:
+        return
+    programs = dw_part.shape[0]
+    elem_bytes = max(t.element_size() for t in (s, dy, dx) if t is not None)
+    block_n, num_chunks, num_warps = config.block_config(n, elem_bytes)
+    with config.device_guard(s.device):
+        _fused_norm_bwd_kernel[(programs,)](
+            s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+            seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part,
+            s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
+            dx.stride(0), _stride0(dx1), _stride0(dresidual),
+            m, n, dropout_p, triton.cdiv(m, programs),
+            BLOCK_N=block_n,
+            NUM_CHUNKS=num_chunks,
+            IS_RMS_NORM=is_rms_norm,
+            HAS_BIAS=db_part is not None,
+            HAS_W1=weight1 is not None,
+            HAS_B1=db1_part is not None,
+            HAS_X1=dx1 is not None,
+            HAS_DRESIDUAL_OUT=dresidual_out is not None,
+            STORE_DRESIDUAL=dresidual is not None,
+            HAS_ROWSCALE=rowscale is not None,
+            HAS_LAYERSCALE=layerscale is not None,
+            HAS_DROPOUT=dropout_p > 0.0,
+            ZERO_CENTERED_WEIGHT=zero_centered_weight,
+            num_warps=num_warps,
+        )  # fmt: skip
+
+
+
+_bwd_op = torch.library.custom_op(
+    "fused_norm::bwd",
+    _bwd_launch,
+    mutates_args=("dx", "dx1", "dresidual", "dw_part", "db_part", "dw1_part", "db1_part",
+                  "dls_part"),
+)  # fmt: skip
+_bwd_op.register_fake(lambda *args, **kwargs: None)
+
+
+def fused_norm_bwd(
+    dy, s, weight, bias, weight1, bias1, mean, rstd, dy1=None, dresidual_out=None,
+    x0=None, layerscale=None, rowscale=None, seeds=None, dropout_p=0.0, is_rms_norm=False,
+    zero_centered_weight=False, x_dtype=None, residual_dtype=None, x1_dtype=None,
+):  # fmt: skip
+    """Run the backward on 2-D tensors.
+
+    ``s`` is the normalised pre-norm sum the forward saw. ``residual_dtype`` / ``x1_dtype`` are
+    the dtypes of the residual / x1 inputs, None where absent.
+    Returns ``(dx, dw, db, dresidual, dx1, dw1, db1, dlayerscale)``; absent parts are None.
+    ``dresidual`` (and ``dx1``) is ``dx`` itself where the two are equal.
+    """
+    m, n = s.shape
+    dev = s.device
+    x_dtype = x_dtype or s.dtype
+    dx = torch.empty((m, n), dtype=x_dtype, device=dev)
+    # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
+    dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
+    dresidual = None
+    if residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype):
+        dresidual = torch.empty((m, n), dtype=residual_dtype, device=dev)
+    dx1 = None
+    if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
+        dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
+    programs = config.bwd_num_programs(m, dev)
+    chunked = config.block_config(n, max(s.element_size(), dy.element_size()))[1] > 1
+    alloc = torch.zeros if chunked or m == 0 else torch.empty
+
+    def part(present):
+        return alloc((programs, n), dtype=torch.float32, device=dev) if present else None
+
+    dw_part, db_part = part(True), part(bias is not None)
+    dw1_part, db1_part = part(weight1 is not None), part(bias1 is not None)
+    dls_part = part(layerscale is not None)
+    launch = _bwd_op if torch.compiler.is_compiling() else _bwd_launch
+    launch(
+        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
+        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part,
+        float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
+    )  # fmt: skip
+
+    def total(p, ref):
+        return p.sum(0).to(ref.dtype) if p is not None else None
+
+    if residual_dtype is not None and dresidual is None:
+        dresidual = dx
+    if x1_dtype is not None and dx1 is None:
+        dx1 = dx
+    return (
+        dx, total(dw_part, weight), total(db_part, bias), dresidual, dx1,
+        total(dw1_part, weight1), total(db1_part, bias1), total(dls_part, layerscale),
+    )  # fmt: skip
