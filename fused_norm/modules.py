@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autograd import dropout_add_layer_norm, dropout_add_rms_norm, layer_norm_fn, rms_norm_fn
+from .autograd import dropout_add_layer_norm, dropout_add_rms_norm, layer_norm_fn
 
 __all__ = ["DropoutAddLayerNorm", "DropoutAddRMSNorm", "LayerNorm", "RMSNorm"]
 

@@ -120,7 +120,8 @@ def _fwd_launch(
     if m == 0:
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
-    block_n, num_chunks, num_warps = config.block_config(n, elem_bytes)
+    block_n, num_chunks = config.block_config(n, elem_bytes)
+    num_warps = config.fwd_num_warps(block_n)
     with config.device_guard(x.device):
         _fused_norm_fwd_kernel[(m,)](
             x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -206,8 +207,8 @@ def _bwd_launch(
     if m == 0:
         return
     programs = dw_part.shape[0]
-    elem_bytes = max(t.element_size() for t in (s, dy, dx) if t is not None)
-    block_n, num_chunks, num_warps = config.block_config(n, elem_bytes)
+    block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
+    num_warps = config.bwd_num_warps(block_n)
     with config.device_guard(s.device):
         _fused_norm_bwd_kernel[(programs,)](
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
@@ -231,6 +232,11 @@ def _bwd_launch(
             num_warps=num_warps,
         )  # fmt: skip
 
+
+
+def _bwd_block_config(n, s, dy, dx):
+    elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
+    return config.block_config(n, elem_bytes, config.BWD_MAX_BLOCK_BYTES)
 
 
 _bwd_op = torch.library.custom_op(
@@ -266,8 +272,9 @@ def fused_norm_bwd(
     dx1 = None
     if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
         dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
-    programs = config.bwd_num_programs(m, dev)
-    chunked = config.block_config(n, max(s.element_size(), dy.element_size()))[1] > 1
+    block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
+    programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n))
+    chunked = num_chunks > 1
     alloc = torch.zeros if chunked or m == 0 else torch.empty
 
     def part(present):

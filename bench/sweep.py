@@ -1,0 +1,148 @@
+"""Launch-configuration sweep for fused_norm's own kernels (the measurements behind config.py).
+
+For each row width N it times the forward and the backward of two workloads (add + RMSNorm
+prenorm, dropout + add + LayerNorm prenorm) under several launch choices, and reports GB/s and
+the ratio to a device-to-device copy measured in the same run. Each timed region is replayed
+from a CUDA graph, so host overhead (Python, autograd) is out of these numbers: this tunes the
+kernels; bench/bench.py measures what users see.
+
+Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
+       [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import time
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+import fused_norm
+from fused_norm import config
+
+ELEMS = 128 * 2**20  # M * N per problem: 256 MB per bf16 tensor, several times the L2
+
+
+def bench(fn):
+    return do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def copy_gbps(device):
+    src = torch.empty(ELEMS * 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def bytes_per_elem(workload, mode, eb):
+    # fwd reads x, residual and writes y, residual_out. bwd reads residual_out, dy,
+    # d(residual_out) and writes dx (which is also dresidual without dropout), plus dresidual
+    # with dropout (dx differs then).
+    fwd = 4 * eb
+    bwd = 4 * eb if workload == "add_rms" else 5 * eb
+    return {"fwd": fwd, "bwd": bwd}[mode]
+
+
+def run(workload, n, dtype, device, mode):
+    m = ELEMS // n
+    x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+    res = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
+    if workload == "add_rms":
+        def f():
+            return fused_norm.rms_norm_fn(x, w, None, res, prenorm=True)
+    else:
+        def f():
+            return fused_norm.layer_norm_fn(x, w, b, res, dropout_p=0.1, prenorm=True)
+    if mode == "fwd":
+        with torch.no_grad():
+            ms = bench(f)
+    else:
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        dr = torch.randn(m, n, device=device, dtype=dtype)
+        y, r = f()
+        leaves = [x, res, w] + ([b] if workload != "add_rms" else [])
+        ms = bench(lambda: torch.autograd.grad([y, r], leaves, [dy, dr], retain_graph=True))
+    gbps = bytes_per_elem(workload, mode, x.element_size()) * m * n / ms / 1e6
+    return ms, gbps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="sweep-out")
+    ap.add_argument("--ns", default="1024,4096,16384,65536,262144")
+    ap.add_argument("--workloads", default="add_rms,drop_add_ln")
+    ap.add_argument("--modes", default="fwd,bwd")
+    ap.add_argument("--fwd-warps", default="auto")
+    ap.add_argument("--bwd-warps", default="auto")
+    ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
+    ap.add_argument("--bwd-max-bytes", default=str(config.BWD_MAX_BLOCK_BYTES))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    ceiling = copy_gbps(device)
+    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+           "copy_gbps": ceiling}  # fmt: skip
+    print(json.dumps(env))
+
+    def ints(v):
+        return [None] if v == "auto" else [int(t) for t in v.split(",")]
+
+    orig = (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
+            config.BWD_MAX_BLOCK_BYTES)  # fmt: skip
+    rows = []
+    for n, workload, mode in itertools.product(
+        ints(args.ns), args.workloads.split(","), args.modes.split(",")
+    ):
+        if mode == "fwd":
+            variants = [(fw, None, None, None) for fw in ints(args.fwd_warps)]
+        else:
+            variants = list(itertools.product([None], ints(args.bwd_warps),
+                                              ints(args.bwd_warps_per_sm),
+                                              ints(args.bwd_max_bytes)))  # fmt: skip
+        for fw, bw, wps, maxb in variants:
+            if fw:
+                config.fwd_num_warps = lambda block_n, _w=fw: _w
+            if bw:
+                config.bwd_num_warps = lambda block_n, _w=bw: _w
+            if wps:
+                config.BWD_WARPS_PER_SM = wps
+            if maxb:
+                config.BWD_MAX_BLOCK_BYTES = maxb
+            if mode == "fwd":
+                desc = f"warps={config.fwd_num_warps(config.block_config(n, 2)[0])}"
+            else:
+                bn, nc = config.block_config(n, 2, config.BWD_MAX_BLOCK_BYTES)
+                desc = (f"warps={config.bwd_num_warps(bn)} wps={config.BWD_WARPS_PER_SM} "
+                        f"block={bn}x{nc}")  # fmt: skip
+            try:
+                ms, gbps = run(workload, n, torch.bfloat16, device, mode)
+                err = ""
+            except Exception as e:  # noqa: BLE001 - record and go on
+                ms, gbps, err = float("nan"), float("nan"), repr(e)[:200]
+            finally:
+                (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
+                 config.BWD_MAX_BLOCK_BYTES) = orig  # fmt: skip
+            rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
+                         "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
+            print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "
+                  f"{100 * gbps / ceiling:5.1f}% {err}", flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "sweep.csv"), "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    with open(os.path.join(args.out, "env.json"), "w") as fh:
+        json.dump(env, fh)
+
+
+if __name__ == "__main__":
+    main()
