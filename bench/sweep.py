@@ -21,10 +21,10 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench_cudagraph
+from triton.testing import do_bench, do_bench_cudagraph
 
 import fused_norm
-from fused_norm import config
+from fused_norm import config, ops
 
 ELEMS = 128 * 2**20  # M * N per problem: 256 MB per bf16 tensor, several times the L2
 
@@ -36,7 +36,8 @@ def bench(fn):
 def copy_gbps(device):
     src = torch.empty(ELEMS * 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def bytes_per_elem(workload, mode, eb):
@@ -64,13 +65,56 @@ def run(workload, n, dtype, device, mode):
         with torch.no_grad():
             ms = bench(f)
     else:
+        p = 0.0 if workload == "add_rms" else 0.1
         dy = torch.randn(m, n, device=device, dtype=dtype)
         dr = torch.randn(m, n, device=device, dtype=dtype)
-        y, r = f()
-        leaves = [x, res, w] + ([b] if workload != "add_rms" else [])
-        ms = bench(lambda: torch.autograd.grad([y, r], leaves, [dy, dr], retain_graph=True))
+        seeds = torch.randint(0, 2**31 - 1, (m,), device=device) if p else None
+        _, _, s, mean, rstd, _, _ = ops.fused_norm_fwd(
+            x, w, b if p else None, res, None, None, None, None, None, seeds, 1e-6, p,
+            workload == "add_rms", False, dtype, dtype, True)  # fmt: skip
+        ms = bench(lambda: ops.fused_norm_bwd(
+            dy, s, w, b if p else None, None, None, mean, rstd, dresidual_out=dr, seeds=seeds,
+            dropout_p=p, is_rms_norm=workload == "add_rms", x_dtype=dtype,
+            residual_dtype=dtype))  # fmt: skip
     gbps = bytes_per_elem(workload, mode, x.element_size()) * m * n / ms / 1e6
     return ms, gbps
+
+
+RNG_VARIANTS = {
+    "philox1": """    seed = tl.load(SEEDS + seed_row).to(tl.uint32)
+    return tl.rand(seed, col0 + tl.arange(0, BLOCK_N)) > dropout_p
+""",
+    "none": """    return (tl.arange(0, BLOCK_N) % 10) != 0
+""",
+    "hash": """    seed = tl.load(SEEDS + seed_row).to(tl.uint32)
+    h = (col0 + tl.arange(0, BLOCK_N)).to(tl.uint32) * 0x9E3779B1 + seed
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return tl.random.uint_to_uniform_float(h) > dropout_p
+""",
+}
+
+
+def use_rng_variant(name, out_dir):
+    """Swap the forward kernel for one whose _keep_mask body is RNG_VARIANTS[name]."""
+    import importlib.util
+
+    src = open(os.path.join(os.path.dirname(fused_norm.__file__), "kernels.py")).read()
+    head, rest = src.split("def _keep_mask(", 1)
+    sig, rest = rest.split('    """', 1)
+    _doc, rest = rest.split('"""\n', 1)
+    body_end = rest.index("\n\n\n")
+    src = head + "def _keep_mask(" + sig + RNG_VARIANTS[name] + rest[body_end:]
+    path = os.path.join(out_dir, f"kernels_{name}.py")
+    with open(path, "w") as fh:
+        fh.write(src)
+    spec = importlib.util.spec_from_file_location(f"kernels_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ops._fused_norm_fwd_kernel = mod._fused_norm_fwd_kernel
 
 
 def main():
@@ -83,8 +127,11 @@ def main():
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
     ap.add_argument("--bwd-max-bytes", default=str(config.BWD_MAX_BLOCK_BYTES))
+    ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.rng:
+        use_rng_variant(args.rng, args.out)
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     ceiling = copy_gbps(device)

@@ -18,9 +18,9 @@ import triton
 # on Hopper (flash-attn and Liger cap there too); see bench/NOTES.md.
 MAX_BLOCK_BYTES = 65536
 
-# The backward holds more per column (w, dw, db, s, dy, ...), so its registers run out sooner;
-# wider rows take its chunked path, whose per-program partial rows stay in L2 up to N ~ 64K.
-BWD_MAX_BLOCK_BYTES = 16384
+# The backward holds more per column (w, dw, db, s, dy, ...), so its registers run out sooner:
+# 16K bf16 columns in one block ran at 91% of copy, 32K at 24% (spills), sweep of 2026-11-22.
+BWD_MAX_BLOCK_BYTES = 32768
 
 # Program count used where the device reports no multiprocessors (the CPU interpreter).
 FALLBACK_SM_COUNT = 4
@@ -42,20 +42,23 @@ def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int,
     return block_n, triton.cdiv(n_cols, block_n)
 
 
-def fwd_num_warps(block_n: int) -> int:
+def fwd_num_warps(block_n: int, num_chunks: int = 1) -> int:
     """Warps per forward program (one row each).
 
-    Sweep of 2026-11-22 (H200, bf16, add+RMSNorm prenorm): best were 4 warps at N=1K (99.8% of
-    copy; 16 warps: 63%), 8-16 at 4K (98%), 16-32 at 16K (98%), 32 at 32K-element chunks.
+    Sweeps of 2026-11-22 (H200, bf16; add+RMSNorm and dropout+add+LayerNorm prenorm): 1 warp at
+    N=256 (4 warps: -7 points), 4 at 1K (16 warps: 63% of copy vs 99.8%), 8 at 4K-8K (dropout+LN
+    at 8K: 93% vs 80% with 16), 16 at 16K-32K (67% vs 64% with 32), 32 for chunked rows.
     """
+    if num_chunks > 1:
+        return 32
     if block_n <= 1024:
         return max(block_n // 256, 1)
-    return min(max(block_n // 512, 4), 32)
+    return {2048: 4, 4096: 8, 8192: 8}.get(block_n, 16)
 
 
 def bwd_num_warps(block_n: int) -> int:
-    """Warps per backward program. Same sweep: 4 at N=1K, 8 at 4K (94.8% with 4 programs/SM),
-    32 at 16K (LayerNorm with dropout spilled registers at 16 warps: 10% of copy)."""
+    """Warps per backward program. Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at
+    16K (91%; LayerNorm with dropout spilled registers at 16 warps), 16 for 8K chunks."""
     return min(max(block_n // 512, 4), 32)
 
 

@@ -16,8 +16,8 @@ Design notes
 * Backward, a persistent grid: program ``p`` owns the contiguous rows
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and keeps fp32 partial sums of dW/dB in
   registers, written once to row ``p`` of a ``(num_programs, N)`` buffer that the host sums.
-  No atomics, no locks: the result is bitwise deterministic. Wide rows keep the partials in that
-  buffer instead of registers (read-modify-write of the program's own row; still deterministic).
+  No atomics, no locks: the result is bitwise deterministic. Wide rows read each row twice: once
+  for the row sums c1, c2, then chunk by chunk with the partials of that chunk in registers.
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -310,6 +310,7 @@ def _fused_norm_bwd_kernel(
     DW1_PART,      # (P, N) fp32 partial dW1 (if HAS_W1)
     DB1_PART,      # (P, N) fp32 partial dB1 (if HAS_B1)
     DLS_PART,      # (P, N) fp32 partial d(layerscale) (if HAS_LAYERSCALE)
+    C12,           # (M, 2) fp32 scratch for c1, c2 of each row (if NUM_CHUNKS > 1)
     stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
     stride_dx_row, stride_dx1_row, stride_dres_row,
     M, N,
@@ -380,11 +381,13 @@ def _fused_norm_bwd_kernel(
         if HAS_LAYERSCALE:
             tl.store(DLS_PART + part + cols, dls, mask=col_mask)
     else:
-        # Wide rows: the partial sums live in the program's own row of the (P, N) buffers,
-        # zeroed by the host, and are updated chunk by chunk.
+        # Wide rows, in two phases over the program's rows. Phase 1 (row by row) takes c1, c2
+        # of each row into the (M, 2) scratch C12. Phase 2 (chunk by chunk, rows inside) forms
+        # ds, dx and keeps the chunk's dW/dB partials in registers: each row is read twice, but
+        # no fp32 partial is read back, which cost more (bench/NOTES.md).
         for row in range(row_start, row_end):
-            c1 = 0.0
-            c2 = 0.0
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_N + cols
                 col_mask = ccols < N
@@ -392,42 +395,54 @@ def _fused_norm_bwd_kernel(
                     S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
                     stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
-                c1 += tl.sum(xhat * wdy, axis=0)
-                c2 += tl.sum(wdy, axis=0)
-            c1 = c1 / N
-            c2 = c2 / N
-            rstd = tl.load(RSTD + row)
-            for c in range(NUM_CHUNKS):
-                ccols = c * BLOCK_N + cols
-                col_mask = ccols < N
+                acc1 += xhat * wdy
+                acc2 += wdy
+            tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
+            tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
+        tl.debug_barrier()  # phase 1's scratch writes are visible to all threads of phase 2
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_N + cols
+            col_mask = ccols < N
+            dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for row in range(row_start, row_end):
                 xhat, dy, dy1, wdy = _row_grads(
                     S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
                     stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
+                dw += dy * xhat
+                if HAS_BIAS:
+                    db += dy
+                if HAS_W1:
+                    dw1 += dy1 * xhat
+                    if HAS_B1:
+                        db1 += dy1
+                rstd = tl.load(RSTD + row)
+                c1 = tl.load(C12 + 2 * row)
                 if IS_RMS_NORM:
                     ds = (wdy - xhat * c1) * rstd
                 else:
-                    ds = (wdy - (xhat * c1 + c2)) * rstd
+                    ds = (wdy - (xhat * c1 + tl.load(C12 + 2 * row + 1))) * rstd
                 if HAS_DRESIDUAL_OUT:
                     ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + ccols,
                                   mask=col_mask, other=0.0).to(tl.float32)  # fmt: skip
                 dls_row = _input_grads(
                     ds, row, c * BLOCK_N, ccols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS,
                     DX, DX1, DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row,
-                    stride_dres_row, dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-                    HAS_DROPOUT,
+                    stride_dres_row, dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE,
+                    HAS_LAYERSCALE, HAS_DROPOUT,
                 )  # fmt: skip
-                p_dw = DW_PART + part + ccols
-                tl.store(p_dw, tl.load(p_dw, mask=col_mask) + dy * xhat, mask=col_mask)
-                if HAS_BIAS:
-                    p_db = DB_PART + part + ccols
-                    tl.store(p_db, tl.load(p_db, mask=col_mask) + dy, mask=col_mask)
-                if HAS_W1:
-                    p_dw1 = DW1_PART + part + ccols
-                    tl.store(p_dw1, tl.load(p_dw1, mask=col_mask) + dy1 * xhat, mask=col_mask)
-                    if HAS_B1:
-                        p_db1 = DB1_PART + part + ccols
-                        tl.store(p_db1, tl.load(p_db1, mask=col_mask) + dy1, mask=col_mask)
                 if HAS_LAYERSCALE:
-                    p_dls = DLS_PART + part + ccols
-                    tl.store(p_dls, tl.load(p_dls, mask=col_mask) + dls_row, mask=col_mask)
+                    dls += dls_row
+            tl.store(DW_PART + part + ccols, dw, mask=col_mask)
+            if HAS_BIAS:
+                tl.store(DB_PART + part + ccols, db, mask=col_mask)
+            if HAS_W1:
+                tl.store(DW1_PART + part + ccols, dw1, mask=col_mask)
+                if HAS_B1:
+                    tl.store(DB1_PART + part + ccols, db1, mask=col_mask)
+            if HAS_LAYERSCALE:
+                tl.store(DLS_PART + part + ccols, dls, mask=col_mask)

@@ -121,7 +121,7 @@ def _fwd_launch(
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
     block_n, num_chunks = config.block_config(n, elem_bytes)
-    num_warps = config.fwd_num_warps(block_n)
+    num_warps = config.fwd_num_warps(block_n, num_chunks)
     with config.device_guard(x.device):
         _fused_norm_fwd_kernel[(m,)](
             x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -201,7 +201,8 @@ def _bwd_launch(
     layerscale: Optional[Tensor], rowscale: Optional[Tensor], seeds: Optional[Tensor],
     dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], dw_part: Tensor,
     db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor],
-    dls_part: Optional[Tensor], dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
+    dls_part: Optional[Tensor], c12: Optional[Tensor], dropout_p: float, is_rms_norm: bool,
+    zero_centered_weight: bool,
 ) -> None:  # fmt: skip
     m, n = s.shape
     if m == 0:
@@ -212,7 +213,7 @@ def _bwd_launch(
     with config.device_guard(s.device):
         _fused_norm_bwd_kernel[(programs,)](
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-            seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part,
+            seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
             s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
             dx.stride(0), _stride0(dx1), _stride0(dresidual),
             m, n, dropout_p, triton.cdiv(m, programs),
@@ -243,7 +244,7 @@ _bwd_op = torch.library.custom_op(
     "fused_norm::bwd",
     _bwd_launch,
     mutates_args=("dx", "dx1", "dresidual", "dw_part", "db_part", "dw1_part", "db1_part",
-                  "dls_part"),
+                  "dls_part", "c12"),
 )  # fmt: skip
 _bwd_op.register_fake(lambda *args, **kwargs: None)
 
@@ -274,11 +275,12 @@ def fused_norm_bwd(
         dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
     block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
     programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n))
-    chunked = num_chunks > 1
-    alloc = torch.zeros if chunked or m == 0 else torch.empty
+    alloc = torch.zeros if m == 0 else torch.empty
 
     def part(present):
         return alloc((programs, n), dtype=torch.float32, device=dev) if present else None
+
+    c12 = torch.empty((m, 2), dtype=torch.float32, device=dev) if num_chunks > 1 else None
 
     dw_part, db_part = part(True), part(bias is not None)
     dw1_part, db1_part = part(weight1 is not None), part(bias1 is not None)
@@ -286,7 +288,7 @@ def fused_norm_bwd(
     launch = _bwd_op if torch.compiler.is_compiling() else _bwd_launch
     launch(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part,
+        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
         float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
     )  # fmt: skip
 
