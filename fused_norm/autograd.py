@@ -128,12 +128,17 @@ class FusedNormFunction(torch.autograd.Function):
         x_dtype, residual_dtype, x1_dtype = ctx.dtypes
         shape = ctx.shape
         # Grads of unused outputs arrive as None: zeros for y/y1, "absent" for the stream.
-        dy = _rows(dy) if dy is not None else torch.zeros_like(s, dtype=x_dtype)
+        # (.contiguous() is free for the usual contiguous grads, and keeps strides out of the
+        # graph that torch.compile traces for this backward.)
+        n = s.shape[-1]
+        dy = dy.reshape(-1, n).contiguous() if dy is not None else torch.zeros_like(s, dtype=x_dtype)
         if weight1 is not None:
-            dy1 = _rows(dy1) if dy1 is not None else torch.zeros_like(s, dtype=x_dtype)
+            dy1 = dy1.reshape(-1, n).contiguous() if dy1 is not None else torch.zeros_like(dy)
+        if prenorm and dresidual_out is not None:
+            dresidual_out = dresidual_out.reshape(-1, n).contiguous()
         dx, dw, db, dres, dx1, dw1, db1, dls = ops.fused_norm_bwd(
             dy, s, weight, bias, weight1, bias1, mean, rstd, dy1=dy1,
-            dresidual_out=_rows(dresidual_out) if prenorm else None, x0=x0,
+            dresidual_out=dresidual_out if prenorm else None, x0=x0,
             layerscale=layerscale, rowscale=rowscale, seeds=seeds, dropout_p=dropout_p,
             is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
             x_dtype=x_dtype, residual_dtype=residual_dtype, x1_dtype=x1_dtype,

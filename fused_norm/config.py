@@ -68,8 +68,11 @@ def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int) -> int:
     return max(min(sm_count(device) * per_sm, n_rows), 1)
 
 
+@torch.compiler.assume_constant_result
 def sm_count(device: torch.device) -> int:
-    """Multiprocessor count of ``device`` (not of ``cuda:0``), or a fallback."""
+    """Multiprocessor count of ``device`` (not of ``cuda:0``), or a fallback.
+
+    A constant to torch.compile: it is read once while tracing, not traced into."""
     return _sm_count(device.type, device.index)
 
 

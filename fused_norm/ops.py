@@ -78,7 +78,7 @@ def check_args(
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0.0):
+    if not (0.0 <= eps < math.inf):  # also false for NaN
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     if out_dtype is not None and out_dtype not in dtypes:
         raise TypeError(f"out_dtype must be one of {dtypes} or None, got {out_dtype}")
