@@ -82,12 +82,18 @@ WORKLOADS = {
         Workload("rms", "RMSNorm", rms=True, residual=False),
         Workload("add_rms", "add + RMSNorm, prenorm", rms=True, residual=True),
         Workload(
-            "drop_add_ln", "dropout(0.1) + add + LayerNorm, prenorm",
-            rms=False, residual=True, dropout_p=0.1,
+            "drop_add_ln",
+            "dropout(0.1) + add + LayerNorm, prenorm",
+            rms=False,
+            residual=True,
+            dropout_p=0.1,
         ),
         Workload(
-            "parallel_ln", "x + x1 + residual, LayerNorm with weight and weight1, prenorm",
-            rms=False, residual=True, x1=True,
+            "parallel_ln",
+            "parallel: x + x1 + residual, two LayerNorms (weight, weight1), prenorm",
+            rms=False,
+            residual=True,
+            x1=True,
         ),
     ]
 }
@@ -107,7 +113,7 @@ def dtype_applies(wl: Workload, dt: str) -> bool:
 
 
 def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
-    """Minimal bytes the maths must move: every tensor it needs read once, every result written once.
+    """Minimal bytes the maths moves: each tensor it needs read once, each result written once.
 
     The count is the same for every provider, so GB/s compare like with like. Per row, with
     e = bytes of x's dtype and r = bytes of the residual stream's dtype:
@@ -128,37 +134,42 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     n_out = 2 if wl.x1 else 1  # y, y1 (and weight, weight1)
     n_param = n_out * (1 if wl.rms else 2)  # weight(s), plus bias(es) for LayerNorm
     stats = 4 * (1 if wl.rms else 2)
-    fwd = (M * N * (e * n_in + r * wl.residual + e * n_out + r * wl.residual)
-           + M * stats + N * e * n_param)
+    fwd = (
+        M * N * (e * n_in + r * wl.residual + e * n_out + r * wl.residual)
+        + M * stats
+        + N * e * n_param
+    )
     grad_writes = e  # dx
     if wl.x1 and wl.dropout_p > 0:
         grad_writes += e  # dx1 has its own mask
     if wl.residual and (wl.dropout_p > 0 or r != e):
         grad_writes += r  # dresidual differs from dx
     saved = r if wl.residual else e
-    bwd = (M * N * (e * n_out + r * wl.residual + saved + grad_writes)
-           + M * stats + N * e * (n_out + n_param))
+    bwd = (
+        M * N * (e * n_out + r * wl.residual + saved + grad_writes)
+        + M * stats
+        + N * e * (n_out + n_param)
+    )
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
 def bytes_table() -> str:
     """Markdown table of bytes per row (large M) for every workload and dtype."""
-    lines = ["| workload | dtype | fwd bytes/row | bwd bytes/row | fwd+bwd bytes/row |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| workload | dtype | fwd bytes/row | bwd bytes/row | fwd+bwd bytes/row |",
+        "|---|---|---|---|---|",
+    ]
     for wl in WORKLOADS.values():
         for dt in DTYPES:
             if not dtype_applies(wl, dt):
                 continue
             cells = []
             for mode in ("fwd", "bwd", "fwd+bwd"):
-                # bytes_moved is affine in M and in N; recover a*N + b from three evaluations
-                big = 1 << 20
-                per_row = (bytes_moved(wl, dt, 2 * big, 1, mode)
-                           - bytes_moved(wl, dt, big, 1, mode)) / big
-                per_n = (bytes_moved(wl, dt, 2 * big, 2, mode)
-                         - bytes_moved(wl, dt, 2 * big, 1, mode)) / (2 * big)
-                stat = per_row - per_n
-                cells.append(f"{per_n:g}·N + {stat:g}")
+                # bytes = a*M*N + s*M + c*N: the per-row cost is a*N + s (c*N is the weights)
+                b = lambda m, n: bytes_moved(wl, dt, m, n, mode)  # noqa: B023
+                a = b(2, 2) - b(2, 1) - b(1, 2) + b(1, 1)
+                s = b(2, 1) - b(1, 1) - a
+                cells.append(f"{a}·N + {s}")
             lines.append(f"| {wl.name} | {dt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -227,7 +238,8 @@ def _liger_forward(mod, wl: Workload):
         return lambda x, w, *_: (mod.LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True),)
     if wl.name == "add_rms":
         return lambda x, w, b, r, *_: tuple(
-            mod.LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False))
+            mod.LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
+        )
     raise ValueError(f"Liger has no kernel for workload {wl.name!r}")
 
 
@@ -254,12 +266,16 @@ PROVIDERS = {
         Provider("torch", lambda: torch, lambda _m, wl: eager_forward(wl)),
         Provider("compile", lambda: torch, _compile_forward, per_shape=True),
         Provider(
-            "liger", lambda: _import("liger_kernel.ops"), _liger_forward,
-            supports=lambda wl, dt: (wl.name in ("ln", "rms", "add_rms")
-                                     and DTYPES[dt][0] == DTYPES[dt][1]),
+            "liger",
+            lambda: _import("liger_kernel.ops"),
+            _liger_forward,
+            supports=lambda wl, dt: (
+                wl.name in ("ln", "rms", "add_rms") and DTYPES[dt][0] == DTYPES[dt][1]
+            ),
         ),
-        Provider("flash_attn", lambda: _import("flash_attn.ops.triton.layer_norm"),
-                 _flash_style_forward),
+        Provider(
+            "flash_attn", lambda: _import("flash_attn.ops.triton.layer_norm"), _flash_style_forward
+        ),
     ]
 }
 PEERS = tuple(n for n in PROVIDERS if n != "fused_norm")
@@ -319,8 +335,9 @@ class Clock:
     def __init__(self, device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.flush = (torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-                      if self.cuda else None)
+        self.flush = (
+            torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if self.cuda else None
+        )
 
     def sync(self):
         if self.cuda:
@@ -420,12 +437,16 @@ def copy_ceiling(clock: Clock, nbytes: int, iters: int) -> dict:
         return dst.copy_(src)
 
     clock.once(step)
-    t = clock.median(step, None, iters)
+    t = clock.median(step, None, iters)  # src and dst are freed when this returns
     gbps = 2 * src.nbytes / t / 1e9
-    del src, dst
-    free_memory(clock.device)
-    return {"kind": "copy", "provider": "copy", "bytes": 2 * nbytes, "time_us": t * 1e6,
-            "gbps": gbps, "copy_gbps": gbps}
+    return {
+        "kind": "copy",
+        "provider": "copy",
+        "bytes": 2 * nbytes,
+        "time_us": t * 1e6,
+        "gbps": gbps,
+        "copy_gbps": gbps,
+    }
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -433,23 +454,25 @@ def copy_ceiling(clock: Clock, nbytes: int, iters: int) -> dict:
 
 @dataclasses.dataclass
 class Plan:
-    device: torch.device
-    providers: list
-    workloads: list
-    dtypes: list
-    modes: list
-    Ns: list
-    elements: int
-    target_s: float  # timed seconds per row
-    min_iters: int
-    max_iters: int
-    small_M: list
-    small_N: int
-    small_providers: list
-    small_calls: int
-    first_call: list  # [(workload, N)]
-    first_call_providers: list
-    budget_s: Optional[float]  # past this, per-shape providers (torch.compile) are skipped
+    """What one run measures. The defaults are the quick mode: <= 5 minutes on one H100."""
+
+    Ns: tuple = (1024, 4096, 16384, 65536, 262144)
+    dtypes: tuple = ("bf16",)
+    modes: tuple = ("fwd", "fwd+bwd")
+    elements: int = 2**27  # M*N of the bandwidth rows: 256 MiB per bf16 tensor, 5x L2
+    target_s: float = 0.15  # timed seconds per row, within [min_iters, max_iters] calls
+    min_iters: int = 5
+    max_iters: int = 40
+    small_M: tuple = (1, 16, 256)
+    small_N: int = 4096
+    small_calls: int = 100  # back-to-back calls per wall-time sample
+    small_skip: tuple = ("compile",)  # a compile per small shape costs seconds each
+    first_call: tuple = ("drop_add_ln:4096", "drop_add_ln:262144")  # workload:N
+    first_call_providers: tuple = ("fused_norm",)
+    budget_s: Optional[float] = 240.0  # past this, per-shape providers (compile) are skipped
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cuda"))
+    providers: list = dataclasses.field(default_factory=list)
+    workloads: list = dataclasses.field(default_factory=lambda: list(WORKLOADS.values()))
     t0: float = dataclasses.field(default_factory=time.perf_counter)
 
     def elapsed(self) -> float:
@@ -457,6 +480,21 @@ class Plan:
 
     def iters(self, est_s: float) -> int:
         return int(min(self.max_iters, max(self.min_iters, self.target_s / max(est_s, 1e-7))))
+
+
+FULL = dict(
+    Ns=(256, 512, 1024, 2048, 4096, 5120, 8192, 12288, 16384, 32768, 65536, 131072, 262144),
+    dtypes=tuple(DTYPES), modes=MODES, target_s=0.3, min_iters=10, max_iters=60,
+    small_calls=200, small_skip=(), budget_s=None,
+    first_call=tuple(f"{w}:{n}" for w in WORKLOADS for n in (256, 4096, 65536, 262144)),
+    first_call_providers=("fused_norm", "liger"),
+)  # fmt: skip
+SMOKE = dict(
+    Ns=(256, 1000), dtypes=("fp32", "bf16_res32"), modes=MODES, elements=2**14, target_s=0.0,
+    min_iters=2, max_iters=2, small_M=(1, 4), small_N=256, small_calls=2, small_skip=(),
+    first_call=("drop_add_ln:256",), first_call_providers=("fused_norm", "torch"), budget_s=None,
+    device=torch.device("cpu"),
+)  # fmt: skip
 
 
 def log(plan: Plan, msg: str):
@@ -468,125 +506,132 @@ def short_error(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:240]
 
 
-def run_bandwidth(plan: Plan, clock: Clock, rows: list, copy_gbps: float):
-    """The main sweep: GB/s of every provider, mode and shape at M*N = plan.elements."""
-    for dt in plan.dtypes:
-        for wl in plan.workloads:
-            if not dtype_applies(wl, dt):
-                continue
-            for N in plan.Ns:
-                M = max(1, plan.elements // N)
-                key = {"kind": "bw", "workload": wl.name, "dtype": dt, "N": N, "M": M}
-                try:
-                    args, leaves = make_inputs(wl, dt, M, N, plan.device)
-                except Exception as exc:
-                    log(plan, f"{dt} {wl.name} N={N}: inputs failed: {short_error(exc)}")
-                    for prov in plan.providers:
-                        for mode in plan.modes:
-                            rows.append({**key, "provider": prov.name, "mode": mode,
-                                         "error": short_error(exc)})
-                    free_memory(plan.device)
-                    continue
-                for prov in plan.providers:
-                    if prov.supports(wl, dt):
-                        run_shape(plan, clock, rows, prov, wl, dt, M, N, args, leaves,
-                                  plan.modes, key, copy_gbps)
-                del args, leaves
-                free_memory(plan.device)
+@dataclasses.dataclass
+class Shape:
+    """One problem: inputs allocated once and shared by every provider."""
+
+    kind: str  # "bw" (bandwidth sweep) or "small" (small batches)
+    wl: Workload
+    dt: str
+    M: int
+    N: int
+    args: tuple = ()
+    leaves: list = dataclasses.field(default_factory=list)
+    ref: Optional[tuple] = None  # torch eager's outputs, to check each provider against
+
+    def key(self) -> dict:
+        return {"kind": self.kind, "workload": self.wl.name, "dtype": self.dt, "N": self.N,
+                "M": self.M}  # fmt: skip
+
+    def name(self) -> str:
+        return f"{self.dt} {self.wl.name} N={self.N} M={self.M}"
 
 
-def run_shape(plan, clock, rows, prov, wl, dt, M, N, args, leaves, modes, key, copy_gbps,
-              small=False):
+def run_shapes(plan: Plan, clock: Clock, rows: list, shapes, providers, modes, copy_gbps):
+    """Every provider and mode on every shape; inputs are freed between shapes."""
+    for shape in shapes:
+        try:
+            shape.args, shape.leaves = make_inputs(shape.wl, shape.dt, shape.M, shape.N,
+                                                   plan.device)  # fmt: skip
+        except Exception as exc:
+            log(plan, f"{shape.name()}: inputs failed: {short_error(exc)}")
+            rows += [{**shape.key(), "provider": p.name, "mode": m, "error": short_error(exc)}
+                     for p in providers for m in modes]  # fmt: skip
+        else:
+            for prov in providers:
+                if prov.supports(shape.wl, shape.dt):
+                    run_provider(plan, clock, rows, prov, shape, modes, copy_gbps)
+        shape.args, shape.leaves, shape.ref = (), [], None
+        free_memory(plan.device)
+
+
+def run_provider(plan, clock, rows, prov, shape: Shape, modes, copy_gbps):
     """Every mode of one provider on one shape; a failure is recorded and the run goes on."""
-    base = {**key, "provider": prov.name, "copy_gbps": copy_gbps}
+    base = {**shape.key(), "provider": prov.name, "copy_gbps": copy_gbps}
     if prov.per_shape and plan.budget_s is not None and plan.elapsed() > plan.budget_s:
-        for mode in modes:
-            rows.append({**base, "mode": mode,
-                         "error": f"skipped: past the time budget --budget-s {plan.budget_s:g}"})
+        skip = f"skipped: past the time budget --budget-s {plan.budget_s:g}"
+        rows += [{**base, "mode": m, "error": skip} for m in modes]
         return
-    grads = None
     try:
-        forward = prov.build(prov.module, wl)
-        grads = make_grads(wl, dt, M, N, plan.device)
+        forward = prov.build(prov.module, shape.wl)
+        grads = make_grads(shape.wl, shape.dt, shape.M, shape.N, plan.device)
     except Exception as exc:
-        for mode in modes:
-            rows.append({**base, "mode": mode, "error": short_error(exc)})
+        rows += [{**base, "mode": m, "error": short_error(exc)} for m in modes]
         free_memory(plan.device)
         return
     for mode in modes:
-        row = {**base, "mode": mode, "bytes": bytes_moved(wl, dt, M, N, mode)}
+        row = {**base, "mode": mode}
+        row["bytes"] = bytes_moved(shape.wl, shape.dt, shape.M, shape.N, mode)
         try:
-            setup, step = steps_for(mode, forward, args, leaves, grads)
+            setup, step = steps_for(mode, forward, shape.args, shape.leaves, grads)
             row["first_call_s"] = clock.once(step, setup)
             n = plan.iters(clock.once(step, setup))
             t = clock.median(step, setup, n)
             row.update(time_us=t * 1e6, gbps=row["bytes"] / t / 1e9, iters=n)
             row["peak_extra_mb"] = clock.peak_extra_mb(step, setup)
-            if small:
-                row["wall_us"] = clock.wall_per_call(
-                    lambda _: step(setup() if setup else None), plan.small_calls) * 1e6
-            extra = f" wall {row['wall_us']:.1f} us" if small else ""
-            log(plan, f"{dt} {wl.name} N={N} M={M} {prov.name:10s} {mode:7s} "
-                      f"{row['gbps']:8.1f} GB/s ({100 * row['gbps'] / copy_gbps:5.1f}% copy) "
-                      f"{t * 1e6:9.1f} us{extra} first {row['first_call_s']:.2f}s")
+            msg = (f"{row['gbps']:8.1f} GB/s ({100 * row['gbps'] / copy_gbps:5.1f}% copy) "
+                   f"{t * 1e6:9.1f} us, first {row['first_call_s']:.2f}s")  # fmt: skip
+            if shape.kind == "small":
+                one = lambda _, step=step, setup=setup: step(setup() if setup else None)
+                row["wall_us"] = clock.wall_per_call(one, plan.small_calls) * 1e6
+                msg += f", wall {row['wall_us']:.1f} us"
         except Exception as exc:
             row["error"] = short_error(exc)
-            log(plan, f"{dt} {wl.name} N={N} M={M} {prov.name} {mode}: ERROR {row['error']}")
+            msg = f"ERROR {row['error']}"
             free_memory(plan.device)
+        log(plan, f"{shape.name()} {prov.name:10s} {mode:7s} {msg}")
         rows.append(row)
     del grads
+    if not shape.wl.dropout_p and prov.name != "torch":
+        note = output_check(forward, shape)
+        for row in rows[-len(modes) :]:
+            row["note"] = note
     free_memory(plan.device)
 
 
-def run_small(plan: Plan, clock: Clock, rows: list, copy_gbps: float):
-    """Small batches at one N: launch-bound, so host wall time per call is reported too."""
-    dt, N = "bf16" if plan.device.type == "cuda" else plan.dtypes[0], plan.small_N
-    modes = [m for m in ("fwd", "fwd+bwd") if m in plan.modes] or ["fwd"]
-    for wl in plan.workloads:
-        for M in plan.small_M:
-            key = {"kind": "small", "workload": wl.name, "dtype": dt, "N": N, "M": M}
-            args, leaves = make_inputs(wl, dt, M, N, plan.device)
-            for prov in plan.small_providers:
-                if prov.supports(wl, dt):
-                    run_shape(plan, clock, rows, prov, wl, dt, M, N, args, leaves, modes, key,
-                              copy_gbps, small=True)
-            del args, leaves
-            free_memory(plan.device)
+def output_check(forward, shape: Shape) -> str:
+    """Max |difference| of each output from torch eager's: a guard against benchmarking a
+    provider that computes something else (wrong argument order, wrong output order)."""
+    try:
+        if shape.ref is None:
+            shape.ref = tuple(o.detach() for o in eager_forward(shape.wl)(*shape.args))
+        outs = [o.detach() for o in forward(*shape.args)]
+        if len(outs) != len(shape.ref):
+            return f"check: {len(outs)} outputs, torch has {len(shape.ref)}"
+        diffs = [(o.float() - r.float()).abs().max().item() for o, r in zip(outs, shape.ref)]
+        return "max|Δ| vs torch: " + ", ".join(f"{d:.3g}" for d in diffs)
+    except Exception as exc:
+        return f"check failed: {short_error(exc)}"
 
 
 def run_first_calls(plan: Plan, rows: list):
     """First fwd+bwd call in a fresh process with an empty Triton/Inductor cache (cold start)."""
-    for prov in plan.first_call_providers:
+    dt = "bf16" if plan.device.type == "cuda" else plan.dtypes[0]
+    for prov in [p for p in plan.providers if p.name in plan.first_call_providers]:
         for wl_name, N in plan.first_call:
-            wl = WORKLOADS[wl_name]
-            dt = "bf16" if plan.device.type == "cuda" else plan.dtypes[0]
-            M = max(1, plan.elements // N)
-            row = {"kind": "first_call", "provider": prov.name, "workload": wl.name,
-                   "mode": "fwd+bwd", "dtype": dt, "N": N, "M": M}
-            if not prov.supports(wl, dt):
+            if not prov.supports(WORKLOADS[wl_name], dt):
                 continue
-            spec = {"provider": prov.name, "workload": wl.name, "dtype": dt, "N": N, "M": M,
-                    "device": str(plan.device)}
+            spec = {"provider": prov.name, "workload": wl_name, "dtype": dt, "N": N,
+                    "M": max(1, plan.elements // N)}  # fmt: skip
+            row = {"kind": "first_call", "mode": "fwd+bwd", **spec}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call-child",
+                   json.dumps({**spec, "device": str(plan.device)})]  # fmt: skip
+            if "--smoke" in sys.argv:
+                cmd.append("--smoke")
+            stderr = ""
             with tempfile.TemporaryDirectory(prefix="fused_norm_bench_cache_") as cache:
                 env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call-child",
-                       json.dumps(spec)]
-                if "--smoke" in sys.argv:
-                    cmd.append("--smoke")
-                stderr = ""
+                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))  # fmt: skip
                 try:
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                          timeout=600)
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
                     stderr = proc.stderr
                     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
                 except Exception as exc:
                     tail = stderr.strip().splitlines()[-1:]
                     row["error"] = " ".join([short_error(exc)] + tail)[:240]
             rows.append(row)
-            msg = row.get("error") or (f"first call {row['first_call_s']:.2f}s "
-                                       f"({row.get('note', '')})")
-            log(plan, f"first call {prov.name} {wl.name} N={N}: {msg}")
+            msg = row.get("error") or f"{row['first_call_s']:.2f}s ({row.get('note', '')})"
+            log(plan, f"first call {prov.name} {wl_name} N={N}: {msg}")
 
 
 def first_call_child(spec: dict):
@@ -611,9 +656,11 @@ def first_call_child(spec: dict):
         torch.autograd.grad(outs, leaves, grads)
         clock.sync()
         total = time.perf_counter() - t
-        out = {"first_call_s": total,
-               "note": f"import {import_s:.2f}s, fwd {fwd_s:.2f}s, bwd {total - fwd_s:.2f}s, "
-                       "cold Triton/Inductor cache"}
+        out = {
+            "first_call_s": total,
+            "note": f"import {import_s:.2f}s, fwd {fwd_s:.2f}s, bwd {total - fwd_s:.2f}s, "
+            "cold Triton/Inductor cache",
+        }
     except Exception as exc:
         out = {"error": short_error(exc)}
     print(json.dumps(out), flush=True)
@@ -643,8 +690,11 @@ def environment(device, args, missing: dict) -> dict:
     }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        env.update(sm_count=p.multi_processor_count, memory_gb=round(p.total_memory / 1e9, 1),
-                   capability=f"{p.major}.{p.minor}")
+        env.update(
+            sm_count=p.multi_processor_count,
+            memory_gb=round(p.total_memory / 1e9, 1),
+            capability=f"{p.major}.{p.minor}",
+        )
     for name in ("fused_norm", "liger_kernel", "flash_attn"):
         try:
             env[f"{name}_version"] = getattr(_import(name), "__version__", "?")
@@ -653,12 +703,17 @@ def environment(device, args, missing: dict) -> dict:
     try:
         env["git_commit"] = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=10).stdout.strip()
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except Exception:
         pass
     gpu = re.sub(r"[^A-Za-z0-9.]+", "-", env["gpu"].replace("NVIDIA", "")).strip("-")
-    env["dirname"] = (f"{env['date'][:10]}_{gpu}_torch{torch.__version__.split('+')[0]}"
-                      f"_triton{triton.__version__}_{env['mode']}")
+    env["dirname"] = (
+        f"{env['date'][:10]}_{gpu}_torch{torch.__version__.split('+')[0]}"
+        f"_triton{triton.__version__}_{env['mode']}"
+    )
     return env
 
 
@@ -670,36 +725,64 @@ def csv_list(text: str):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true",
-                      help="bf16, fwd and fwd+bwd, 5 sizes of N, small batches, 2 first-call "
-                           "checks; <= 5 min on one H100 (the default)")
-    size.add_argument("--full", action="store_true",
-                      help="every dtype, mode and N from 256 to 262144 (long: split it with "
-                           "--dtypes/--workloads and --append)")
-    size.add_argument("--smoke", action="store_true",
-                      help="CPU, tiny sizes, Triton interpreter: checks the script, not speed")
-    p.add_argument("--out", default="bench/results/auto",
-                   help="results directory; 'auto' as last component names it after the GPU, "
-                        "torch/triton versions and date")
-    p.add_argument("--append", action="store_true",
-                   help="merge with results.csv already in --out (rows of the same key replaced)")
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help="bf16, fwd and fwd+bwd, 5 sizes of N, small batches, 2 first-call "
+        "checks; <= 5 min on one H100 (the default)",
+    )
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="every dtype, mode and N from 256 to 262144 (long: split it with "
+        "--dtypes/--workloads and --append)",
+    )
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny sizes, Triton interpreter: checks the script, not speed",
+    )
+    p.add_argument(
+        "--out",
+        default="bench/results/auto",
+        help="results directory; 'auto' as last component names it after the GPU, "
+        "torch/triton versions and date",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="merge with results.csv already in --out (rows of the same key replaced)",
+    )
     p.add_argument("--providers", type=csv_list, help=f"of {','.join(PROVIDERS)}")
     p.add_argument("--workloads", type=csv_list, help=f"of {','.join(WORKLOADS)}")
     p.add_argument("--dtypes", type=csv_list, help=f"of {','.join(DTYPES)}")
     p.add_argument("--modes", type=csv_list, help=f"of {','.join(MODES)}")
     p.add_argument("--Ns", type=lambda s: [int(v) for v in csv_list(s)], help="hidden sizes")
-    p.add_argument("--elements", type=int,
-                   help="M*N of the bandwidth rows (default 2**27 = 128M, tensors >> L2)")
-    p.add_argument("--small-M", type=lambda s: [int(v) for v in csv_list(s)],
-                   help="row counts of the small-batch rows (default 1,16,256; empty: none)")
+    p.add_argument(
+        "--elements",
+        type=int,
+        help="M*N of the bandwidth rows (default 2**27 = 128M, tensors >> L2)",
+    )
+    p.add_argument(
+        "--small-M",
+        type=lambda s: [int(v) for v in csv_list(s)],
+        help="row counts of the small-batch rows (default 1,16,256; empty: none)",
+    )
     p.add_argument("--small-N", type=int, default=None, help="N of the small-batch rows (4096)")
-    p.add_argument("--first-call", type=csv_list,
-                   help="workload:N pairs checked in a fresh process (empty string: none)")
-    p.add_argument("--budget-s", type=float,
-                   help="after this many seconds skip torch.compile rows (quick: 240)")
+    p.add_argument(
+        "--first-call",
+        type=csv_list,
+        help="workload:N pairs checked in a fresh process (empty string: none)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="after this many seconds skip torch.compile rows (quick: 240)",
+    )
     p.add_argument("--bytes-table", action="store_true", help="print bytes per row and exit")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -709,55 +792,29 @@ def parse_args(argv=None):
 
 
 def make_plan(args) -> tuple[Plan, dict]:
-    if args.smoke:
-        device = torch.device("cpu")
-        d = dict(Ns=[256, 1024], dtypes=["fp32", "bf16_res32"], modes=list(MODES),
-                 elements=2**14, target_s=0.0, min_iters=2, max_iters=2, small_M=[1, 4],
-                 small_N=256, small_calls=2, first_call=["drop_add_ln:256"], budget_s=None,
-                 small_skip=(), first_call_providers=["fused_norm", "torch"])
-    elif args.full:
-        device = torch.device("cuda")
-        d = dict(Ns=[256, 512, 1024, 2048, 4096, 5120, 8192, 12288, 16384, 32768, 65536,
-                     131072, 262144],
-                 dtypes=list(DTYPES), modes=list(MODES), elements=2**27, target_s=0.5,
-                 min_iters=10, max_iters=100, small_M=[1, 16, 256], small_N=4096,
-                 small_calls=200,
-                 first_call=[f"{w}:{n}" for w in WORKLOADS for n in (256, 4096, 65536, 262144)],
-                 budget_s=None, small_skip=(), first_call_providers=["fused_norm", "liger"])
-    else:
-        device = torch.device("cuda")
-        d = dict(Ns=[1024, 4096, 16384, 65536, 262144], dtypes=["bf16"],
-                 modes=["fwd", "fwd+bwd"], elements=2**27, target_s=0.15, min_iters=5,
-                 max_iters=40, small_M=[1, 16, 256], small_N=4096, small_calls=100,
-                 first_call=["drop_add_ln:4096", "drop_add_ln:262144"], budget_s=240.0,
-                 small_skip=("compile",), first_call_providers=["fused_norm"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench.py: no CUDA device; use --smoke for a CPU check of the script")
+    """The preset of the chosen mode, with the command line's overrides; providers imported."""
+    plan = Plan(**(SMOKE if args.smoke else FULL if args.full else {}))
     for name in ("Ns", "dtypes", "modes", "elements", "small_M", "small_N", "first_call",
-                 "budget_s"):
+                 "budget_s"):  # fmt: skip
         if getattr(args, name) is not None:
-            d[name] = getattr(args, name)
+            setattr(plan, name, getattr(args, name))
+    if plan.device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.py: no CUDA device; use --smoke for a CPU check of the script")
     names = args.providers or list(PROVIDERS)
-    for label, chosen, known in (("provider", names, PROVIDERS), ("workload", args.workloads or [],
-                                 WORKLOADS), ("dtype", d["dtypes"], DTYPES),
-                                 ("mode", d["modes"], MODES)):
+    first_wls = [s.split(":")[0] for s in plan.first_call]
+    choices = [("provider", names, PROVIDERS), ("workload", args.workloads or [], WORKLOADS),
+               ("dtype", plan.dtypes, DTYPES), ("mode", plan.modes, MODES),
+               ("--first-call workload", first_wls, WORKLOADS)]  # fmt: skip
+    for label, chosen, known in choices:
         bad = [c for c in chosen if c not in known]
         if bad:
             sys.exit(f"bench.py: unknown {label} {bad}; choose from {list(known)}")
-    providers, missing = load_providers(names)
-    args.elements = d["elements"]
-    plan = Plan(
-        device=device, providers=providers,
-        workloads=[WORKLOADS[w] for w in (args.workloads or WORKLOADS)],
-        dtypes=d["dtypes"], modes=[m for m in MODES if m in d["modes"]], Ns=d["Ns"],
-        elements=d["elements"], target_s=d["target_s"], min_iters=d["min_iters"],
-        max_iters=d["max_iters"], small_M=d["small_M"], small_N=d["small_N"],
-        small_providers=[p for p in providers if p.name not in d["small_skip"]],
-        small_calls=d["small_calls"],
-        first_call=[(s.split(":")[0], int(s.split(":")[1])) for s in d["first_call"]],
-        first_call_providers=[p for p in providers if p.name in d["first_call_providers"]],
-        budget_s=d["budget_s"],
-    )
+    plan.providers, missing = load_providers(names)
+    if args.workloads:
+        plan.workloads = [WORKLOADS[w] for w in args.workloads]
+    plan.modes = [m for m in MODES if m in plan.modes]
+    plan.first_call = [(s.split(":")[0], int(s.split(":")[1])) for s in plan.first_call]
+    args.elements = plan.elements
     return plan, missing
 
 
@@ -788,9 +845,16 @@ def main(argv=None):
     log(plan, f"copy ceiling {first['gbps']:.1f} GB/s ({copy_bytes / 2**20:.0f} MiB)")
     if plan.first_call:
         run_first_calls(plan, rows)
-    run_bandwidth(plan, clock, rows, first["gbps"])
-    if plan.small_M:
-        run_small(plan, clock, rows, first["gbps"])
+    bw = [Shape("bw", wl, dt, max(1, plan.elements // N), N) for dt in plan.dtypes
+          for wl in plan.workloads if dtype_applies(wl, dt) for N in plan.Ns]  # fmt: skip
+    run_shapes(plan, clock, rows, bw, plan.providers, plan.modes, first["gbps"])
+    # Small batches: launch-bound, so host wall time per call is reported too.
+    small_dt = "bf16" if plan.device.type == "cuda" else plan.dtypes[0]
+    small = [Shape("small", wl, small_dt, M, plan.small_N) for wl in plan.workloads
+             for M in plan.small_M]  # fmt: skip
+    small_modes = [m for m in ("fwd", "fwd+bwd") if m in plan.modes] or ["fwd"]
+    small_providers = [p for p in plan.providers if p.name not in plan.small_skip]
+    run_shapes(plan, clock, rows, small, small_providers, small_modes, first["gbps"])
     last = copy_ceiling(clock, copy_bytes, copy_iters)
     log(plan, f"copy ceiling again {last['gbps']:.1f} GB/s")
     # One ceiling for the run: the better of the two copies, so "% of copy" is not flattered
@@ -800,16 +864,28 @@ def main(argv=None):
         if r.get("kind") in ("bw", "small"):
             r["copy_gbps"] = ceiling
     rows += [first, last]
-    env.update(copy_gbps=ceiling, copy_gbps_first=first["gbps"], copy_gbps_last=last["gbps"],
-               copy_bytes=copy_bytes, wall_s=round(plan.elapsed(), 1))
+    env["plan"] = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
+                   if f.name not in ("t0", "device", "providers", "workloads")}  # fmt: skip
+    env["plan"].update(providers=[p.name for p in plan.providers],
+                       workloads=[w.name for w in plan.workloads])  # fmt: skip
+    env.update(
+        copy_gbps=ceiling,
+        copy_gbps_first=first["gbps"],
+        copy_gbps_last=last["gbps"],
+        copy_bytes=copy_bytes,
+        wall_s=round(plan.elapsed(), 1),
+    )
 
     if args.append and (out / "results.csv").exists():
         rows = report.merge(report.read_csv(out / "results.csv"), rows)
         old_env = json.loads((out / "env.json").read_text())
         env["earlier_runs"] = old_env.pop("earlier_runs", []) + [old_env]
     report.write_all(out, rows, env)
-    log(plan, f"wrote {out}/results.csv, results.md, readme_table.md, env.json and plots; "
-              f"commit it as bench/results/{env['dirname']}")
+    log(
+        plan,
+        f"wrote {out}/results.csv, results.md, readme_table.md, env.json and plots; "
+        f"commit it as bench/results/{env['dirname']}",
+    )
 
 
 if __name__ == "__main__":

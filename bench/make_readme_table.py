@@ -49,37 +49,52 @@ def render(rows, env, dtype="bf16", source=None) -> str:
     """Markdown: % of copy and ratio to the best peer per workload, mode and N; small batches;
     first call; peak memory. `rows` are typed dicts as report.read_csv returns them."""
     titles = env.get("workloads", {})
+    dtypes = [r["dtype"] for r in rows if r.get("kind") == "bw"]
+    if dtype not in dtypes and dtypes:
+        dtype = dtypes[0]  # e.g. a CPU smoke run, which has no bf16 rows
     bw = [r for r in rows if r.get("kind") == "bw" and r.get("dtype") == dtype]
     Ns = sorted({r["N"] for r in bw})
     where = f" (`{source}`)" if source else ""
-    out = [f"Measured on {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
-           f"{env.get('date', '')[:10]}{where}; {dtype}, M·N = {env.get('elements')} elements; "
-           f"device-to-device copy ceiling {env.get('copy_gbps', 0):.0f} GB/s, measured in the "
-           f"same run. Each cell: fused_norm's bandwidth as % of that copy · its ratio to the "
-           f"fastest peer (torch eager, torch.compile, Liger where it supports the shape); "
-           f"✗ marks a missed target (see `results.md` there).", ""]
+    out = [
+        f"Measured on {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"{env.get('date', '')[:10]}{where}; {dtype}, M·N = {env.get('elements')} elements; "
+        f"device-to-device copy ceiling {env.get('copy_gbps', 0):.0f} GB/s, measured in the "
+        f"same run. Each cell: fused_norm's bandwidth as % of that copy · its ratio to the "
+        f"fastest peer (torch eager, torch.compile, Liger where it supports the shape); "
+        f"✗ marks a missed target (see `results.md` there).",
+        "",
+    ]
     header = ["workload", "mode"] + [f"N={n}" for n in Ns]
     body = []
     for wl in [w for w in WORKLOAD_ORDER if any(r["workload"] == w for r in bw)]:
         for mode in ("fwd", "bwd", "fwd+bwd"):
             if any(r["workload"] == wl and r["mode"] == mode for r in bw):
-                body.append([titles.get(wl, wl), mode] + [
-                    _cell(_ours(bw, workload=wl, mode=mode, N=n)) for n in Ns])
+                body.append(
+                    [titles.get(wl, wl), mode]
+                    + [_cell(_ours(bw, workload=wl, mode=mode, N=n)) for n in Ns]
+                )
     out.append(_table(header, body))
 
     small = [r for r in rows if r.get("kind") == "small"]
     if small:
         Ms = sorted({r["M"] for r in small})
         N = small[0]["N"]
-        out += ["", f"Small batches at N={N}, µs per call (host wall time of back-to-back calls), "
-                "fused_norm / torch eager:", ""]
+        out += [
+            "",
+            f"Small batches at N={N}, µs per call (host wall time of back-to-back calls), "
+            "fused_norm / torch eager:",
+            "",
+        ]
         body = []
         for wl in [w for w in WORKLOAD_ORDER if any(r["workload"] == w for r in small)]:
             for mode in ("fwd", "fwd+bwd"):
                 cells = []
                 for m in Ms:
-                    sel = {r["provider"]: r for r in small
-                           if r["workload"] == wl and r["mode"] == mode and r["M"] == m}
+                    sel = {
+                        r["provider"]: r
+                        for r in small
+                        if r["workload"] == wl and r["mode"] == mode and r["M"] == m
+                    }
                     ours, eager = sel.get(OURS, {}), sel.get("torch", {})
                     if _num(ours.get("wall_us")) and _num(eager.get("wall_us")):
                         mark = " ✗" if str(ours.get("result", "")).startswith("FAIL") else ""
@@ -94,23 +109,34 @@ def render(rows, env, dtype="bf16", source=None) -> str:
     if first:
         times = [r["first_call_s"] for r in first if _num(r.get("first_call_s"))]
         worst = max(first, key=lambda r: r.get("first_call_s") or math.inf)
-        text = (f"{max(times):.2f} s" if len(times) == len(first) else "error in "
-                f"{len(first) - len(times)} case(s)")
-        out += ["", f"First forward + backward in a fresh process with cold Triton cache: "
-                f"worst {text} over {len(first)} cases (worst: {worst['workload']}, "
-                f"N={worst['N']}; target ≤ 3 s)."]
+        text = (
+            f"{max(times):.2f} s"
+            if len(times) == len(first)
+            else f"error in {len(first) - len(times)} case(s)"
+        )
+        out += [
+            "",
+            f"First forward + backward in a fresh process with cold Triton cache: "
+            f"worst {text} over {len(first)} cases (worst: {worst['workload']}, "
+            f"N={worst['N']}; target ≤ 3 s).",
+        ]
 
     mem = [r for r in bw if r.get("mode") == "fwd+bwd" and _num(r.get("peak_extra_mb"))]
     if mem:
         n = min({r["N"] for r in mem}, key=lambda v: abs(v - 4096))
-        provs = [p for p in [OURS, "torch", "compile", "liger", "flash_attn"]
-                 if any(r["provider"] == p for r in mem)]
+        provs = [
+            p
+            for p in [OURS, "torch", "compile", "liger", "flash_attn"]
+            if any(r["provider"] == p for r in mem)
+        ]
         out += ["", f"Peak extra memory of one fwd+bwd step at N={n} (MiB):", ""]
         body = []
         for wl in [w for w in WORKLOAD_ORDER if any(r["workload"] == w for r in mem)]:
             sel = {r["provider"]: r for r in mem if r["workload"] == wl and r["N"] == n}
-            body.append([titles.get(wl, wl)] + [
-                f"{sel[p]['peak_extra_mb']:.0f}" if p in sel else "–" for p in provs])
+            body.append(
+                [titles.get(wl, wl)]
+                + [f"{sel[p]['peak_extra_mb']:.0f}" if p in sel else "–" for p in provs]
+            )
         out.append(_table(["workload"] + provs, body))
     return "\n".join(out)
 
@@ -155,5 +181,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -14,12 +14,40 @@ from pathlib import Path
 
 import make_readme_table
 
-FIELDS = ["kind", "workload", "mode", "dtype", "provider", "N", "M", "bytes", "time_us", "gbps",
-          "copy_gbps", "pct_copy", "vs_best_peer", "first_call_s", "peak_extra_mb", "wall_us",
-          "iters", "target", "result", "note", "error"]
+FIELDS = [
+    "kind",
+    "workload",
+    "mode",
+    "dtype",
+    "provider",
+    "N",
+    "M",
+    "bytes",
+    "time_us",
+    "gbps",
+    "copy_gbps",
+    "pct_copy",
+    "vs_best_peer",
+    "first_call_s",
+    "peak_extra_mb",
+    "wall_us",
+    "iters",
+    "target",
+    "result",
+    "note",
+    "error",
+]
 INTS = {"N", "M", "bytes", "iters"}
-FLOATS = {"time_us", "gbps", "copy_gbps", "pct_copy", "vs_best_peer", "first_call_s",
-          "peak_extra_mb", "wall_us"}
+FLOATS = {
+    "time_us",
+    "gbps",
+    "copy_gbps",
+    "pct_copy",
+    "vs_best_peer",
+    "first_call_s",
+    "peak_extra_mb",
+    "wall_us",
+}
 KEY = ("kind", "provider", "workload", "mode", "dtype", "N", "M")
 OURS = "fused_norm"
 
@@ -116,8 +144,11 @@ def evaluate(rows) -> list:
             continue
         r["target"] = "; ".join(c["target"] for c in found)
         failed = [c for c in found if not c["passed"]]
-        r["result"] = ("FAIL: " + "; ".join(c["detail"] for c in failed)) if failed else (
-            "pass" if found else "")
+        r["result"] = (
+            ("FAIL: " + "; ".join(c["detail"] for c in failed))
+            if failed
+            else ("pass" if found else "")
+        )
         for c in found:
             c.update({k: r.get(k) for k in ("kind", "workload", "mode", "dtype", "N", "M")})
         checks += found
@@ -136,8 +167,11 @@ def _check_bw(r, groups):
     if r["dtype"] == "bf16" and pct is not None:
         for lo, hi, need in COPY_TARGETS.get(mode, []):
             if lo <= N <= hi:
-                found.append(_check("copy", f"≥{need:g}% copy", pct >= need,
-                                    f"{pct:.1f}% < {need:g}% of copy"))
+                found.append(
+                    _check(
+                        "copy", f"≥{need:g}% copy", pct >= need, f"{pct:.1f}% < {need:g}% of copy"
+                    )
+                )
     group = groups[(r["kind"], r["workload"], mode, r["dtype"], N, r["M"])]
     peers = [o for n, o in group.items() if n != OURS and valid(o)]
     if peers:
@@ -145,14 +179,26 @@ def _check_bw(r, groups):
         weak = best.get("pct_copy", 100.0) < PEER_WEAK_PCT
         need = PEER_MIN_WEAK if weak else PEER_MIN
         ratio = r["gbps"] / best["gbps"]
-        found.append(_check("peer", f"≥{need:g}× {best['provider']}", ratio >= need,
-                            f"{ratio:.3f}× < {need:g}× {best['provider']}"))
+        found.append(
+            _check(
+                "peer",
+                f"≥{need:g}× {best['provider']}",
+                ratio >= need,
+                f"{ratio:.3f}× < {need:g}× {best['provider']}",
+            )
+        )
     if r["dtype"] != "bf16" and pct is not None:
         ref = groups.get((r["kind"], r["workload"], mode, "bf16", N, r["M"]), {}).get(OURS)
         if ref is not None and ref.get("pct_copy") is not None:
             need = ref["pct_copy"] - DTYPE_POINTS
-            found.append(_check("dtype", f"≥{need:.1f}% copy (bf16 − {DTYPE_POINTS:g})",
-                                pct >= need, f"{pct:.1f}% < bf16's {ref['pct_copy']:.1f} − 5"))
+            found.append(
+                _check(
+                    "dtype",
+                    f"≥{need:.1f}% copy (bf16 − {DTYPE_POINTS:g})",
+                    pct >= need,
+                    f"{pct:.1f}% < bf16's {ref['pct_copy']:.1f} − 5",
+                )
+            )
     return found
 
 
@@ -163,16 +209,28 @@ def _check_small(r, groups):
     if eager is None or not valid(eager) or eager.get("wall_us") is None:
         return []
     ratio = r["wall_us"] / eager["wall_us"]
-    return [_check("small", "≤ torch eager µs", ratio <= 1.0,
-                   f"{r['wall_us']:.1f} µs > torch {eager['wall_us']:.1f} µs")]
+    return [
+        _check(
+            "small",
+            "≤ torch eager µs",
+            ratio <= 1.0,
+            f"{r['wall_us']:.1f} µs > torch {eager['wall_us']:.1f} µs",
+        )
+    ]
 
 
 def _check_first_call(r):
     if r.get("first_call_s") is None:
         return [_check("first-call", "runs", False, f"error: {r.get('error', 'no result')}")]
     s = r["first_call_s"]
-    return [_check("first-call", f"≤{FIRST_CALL_MAX_S:g} s", s <= FIRST_CALL_MAX_S,
-                   f"{s:.2f} s > {FIRST_CALL_MAX_S:g} s")]
+    return [
+        _check(
+            "first-call",
+            f"≤{FIRST_CALL_MAX_S:g} s",
+            s <= FIRST_CALL_MAX_S,
+            f"{s:.2f} s > {FIRST_CALL_MAX_S:g} s",
+        )
+    ]
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -205,9 +263,14 @@ def _peer_cell(r):
 
 
 def _summary(checks):
-    names = {"copy": "% of copy (bf16, fwd and fwd+bwd)", "peer": "vs best peer",
-             "dtype": "other dtypes vs bf16", "small": "small batches vs torch eager",
-             "first-call": "first call, fresh process", "runs": "fused_norm runs without error"}
+    names = {
+        "copy": "% of copy (bf16, fwd and fwd+bwd)",
+        "peer": "vs best peer",
+        "dtype": "other dtypes vs bf16",
+        "small": "small batches vs torch eager",
+        "first-call": "first call, fresh process",
+        "runs": "fused_norm runs without error",
+    }
     body = []
     for key, title in names.items():
         cs = [c for c in checks if c["criterion"] == key]
@@ -218,9 +281,15 @@ def _summary(checks):
     fails = [c for c in checks if not c["passed"]]
     if fails:
         out.append("\nFailures:\n")
-        out.append(_table(["kind", "workload", "mode", "dtype", "N", "M", "why"],
-                          [[c["kind"], c["workload"], c["mode"], c["dtype"], c["N"], c["M"],
-                            c["detail"]] for c in fails]))
+        out.append(
+            _table(
+                ["kind", "workload", "mode", "dtype", "N", "M", "why"],
+                [
+                    [c["kind"], c["workload"], c["mode"], c["dtype"], c["N"], c["M"], c["detail"]]
+                    for c in fails
+                ],
+            )
+        )
     return "\n".join(out)
 
 
@@ -228,97 +297,191 @@ def markdown(rows, env, checks) -> str:
     provs = _providers(rows)
     peers = [p for p in provs if p != OURS]
     groups = _groups(rows)
-    out = [f"# fused_norm benchmark: {env.get('gpu')}, torch {env.get('torch')}, "
-           f"triton {env.get('triton')}, {env.get('date')}", ""]
-    out.append(f"Command: `{env.get('command')}` ({env.get('mode')} mode, {env.get('wall_s')} s). "
-               f"Copy ceiling (device-to-device `copy_`, read + write, same run): "
-               f"**{_f(env.get('copy_gbps'))} GB/s** (first {_f(env.get('copy_gbps_first'))}, "
-               f"last {_f(env.get('copy_gbps_last'))}). Bandwidth rows use M·N = "
-               f"{env.get('elements')} elements.")
+    out = [
+        f"# fused_norm benchmark: {env.get('gpu')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, {env.get('date')}",
+        "",
+    ]
+    out.append(
+        f"Command: `{env.get('command')}` ({env.get('mode')} mode, {env.get('wall_s')} s). "
+        f"Copy ceiling (device-to-device `copy_`, read + write, same run): "
+        f"**{_f(env.get('copy_gbps'))} GB/s** (first {_f(env.get('copy_gbps_first'))}, "
+        f"last {_f(env.get('copy_gbps_last'))}). Bandwidth rows use M·N = "
+        f"{env.get('elements')} elements."
+    )
     if env.get("providers_unavailable"):
-        out.append("\nProviders not importable: " + "; ".join(
-            f"{k} ({v})" for k, v in env["providers_unavailable"].items()))
-    out += ["", "GB/s = bytes the maths needs (counted per workload in `bench.py:bytes_moved`, "
-            "the same for every provider) / median time. `% copy` = GB/s / copy ceiling. "
-            "`× best peer` = fused_norm GB/s / the fastest other provider on that shape. "
-            "`first s` = the first call of that mode at that shape in the benchmark process "
-            "(JIT or torch.compile time included; later modes reuse what earlier ones built). "
-            "Peak memory = peak allocated during one call beyond what was live before it.", ""]
+        out.append(
+            "\nProviders not importable: "
+            + "; ".join(f"{k} ({v})" for k, v in env["providers_unavailable"].items())
+        )
+    out += [
+        "",
+        "GB/s = bytes the maths needs (counted per workload in `bench.py:bytes_moved`, "
+        "the same for every provider) / median time. `% copy` = GB/s / copy ceiling. "
+        "`× best peer` = fused_norm GB/s / the fastest other provider on that shape. "
+        "`first s` = the first call of that mode at that shape in the benchmark process "
+        "(JIT or torch.compile time included; later modes reuse what earlier ones built). "
+        "Peak memory = peak allocated during one call beyond what was live before it.",
+        "",
+    ]
     out += ["## Targets", "", _summary(checks), ""]
 
     bw = [r for r in rows if r.get("kind") == "bw"]
     for dt in sorted({r["dtype"] for r in bw}, key=_dtype_order):
-        for mode in [m for m in ("fwd", "bwd", "fwd+bwd") if any(
-                r["mode"] == m and r["dtype"] == dt for r in bw)]:
+        for mode in [
+            m
+            for m in ("fwd", "bwd", "fwd+bwd")
+            if any(r["mode"] == m and r["dtype"] == dt for r in bw)
+        ]:
             out += [f"## Bandwidth: {mode}, {dt}", ""]
-            header = ["workload", "N", "M", "MB", f"{OURS} GB/s", "% copy"] + [
-                f"{p} GB/s (% copy)" for p in peers] + ["× best peer", f"{OURS} first s",
-                                                         "compile first s", "target", "result"]
+            header = (
+                ["workload", "N", "M", "MB", f"{OURS} GB/s", "% copy"]
+                + [f"{p} GB/s (% copy)" for p in peers]
+                + ["× best peer", f"{OURS} first s", "compile first s", "target", "result"]
+            )
             body = []
             for (kind, wl, m, d, N, M), g in sorted(groups.items(), key=_group_order):
                 if kind != "bw" or m != mode or d != dt:
                     continue
                 ours = g.get(OURS, {})
                 any_row = next(iter(g.values()))
-                body.append([wl, N, M, _f(any_row.get("bytes", 0) / 1e6),
-                             _f(ours.get("gbps")) if valid(ours) else ("err" if ours else "–"),
-                             _f(ours.get("pct_copy"), ".1f")]
-                            + [_peer_cell(g.get(p)) for p in peers]
-                            + [_f(ours.get("vs_best_peer"), ".2f"),
-                               _f(ours.get("first_call_s"), ".2f"),
-                               _f(g.get("compile", {}).get("first_call_s"), ".1f"),
-                               ours.get("target", ""), ours.get("result", "")])
+                body.append(
+                    [
+                        wl,
+                        N,
+                        M,
+                        _f(any_row.get("bytes", 0) / 1e6, ".4g"),
+                        _f(ours.get("gbps")) if valid(ours) else ("err" if ours else "–"),
+                        _f(ours.get("pct_copy"), ".1f"),
+                    ]
+                    + [_peer_cell(g.get(p)) for p in peers]
+                    + [
+                        _f(ours.get("vs_best_peer"), ".2f"),
+                        _f(ours.get("first_call_s"), ".2f"),
+                        _f(g.get("compile", {}).get("first_call_s"), ".1f"),
+                        ours.get("target", ""),
+                        ours.get("result", ""),
+                    ]
+                )
             out += [_table(header, body), ""]
 
     small = [r for r in rows if r.get("kind") == "small"]
     if small:
-        out += ["## Small batches", "",
-                "Launch-bound shapes: `wall µs` = host wall time per call of back-to-back calls "
-                "(what a training step waits for), `gpu µs` = median CUDA-event time with L2 "
-                "evicted. The target compares wall µs with torch eager.", ""]
-        header = ["workload", "mode", "N", "M"] + [f"{p} wall / gpu µs" for p in provs] + [
-            "wall × torch", "result"]
+        out += [
+            "## Small batches",
+            "",
+            "Launch-bound shapes: `wall µs` = host wall time per call of back-to-back calls "
+            "(what a training step waits for), `gpu µs` = median CUDA-event time with L2 "
+            "evicted. The target compares wall µs with torch eager.",
+            "",
+        ]
+        header = (
+            ["workload", "mode", "N", "M"]
+            + [f"{p} wall / gpu µs" for p in provs]
+            + ["wall × torch", "result"]
+        )
         body = []
-        for (kind, wl, m, d, N, M), g in sorted(groups.items(), key=_group_order):
+        for (kind, wl, m, _dt, N, M), g in sorted(groups.items(), key=_group_order):
             if kind != "small":
                 continue
-            cells = [f"{_f(g[p].get('wall_us'), '.1f')} / {_f(g[p].get('time_us'), '.1f')}"
-                     if p in g and valid(g[p]) else ("err" if p in g else "–") for p in provs]
+            cells = [
+                f"{_f(g[p].get('wall_us'), '.1f')} / {_f(g[p].get('time_us'), '.1f')}"
+                if p in g and valid(g[p])
+                else ("err" if p in g else "–")
+                for p in provs
+            ]
             ours, eager = g.get(OURS, {}), g.get("torch", {})
-            ratio = (ours["wall_us"] / eager["wall_us"]
-                     if ours.get("wall_us") and eager.get("wall_us") else None)
+            ratio = (
+                ours["wall_us"] / eager["wall_us"]
+                if ours.get("wall_us") and eager.get("wall_us")
+                else None
+            )
             body.append([wl, m, N, M] + cells + [_f(ratio, ".2f"), ours.get("result", "")])
         out += [_table(header, body), ""]
 
     first = [r for r in rows if r.get("kind") == "first_call"]
     if first:
-        out += ["## First call in a fresh process", "",
-                "A subprocess with empty Triton and Inductor caches times its first forward and "
-                "backward (after import and input allocation).", ""]
-        body = [[r["provider"], r["workload"], r["dtype"], r["N"], r["M"],
-                 _f(r.get("first_call_s"), ".2f"), r.get("note") or r.get("error", ""),
-                 r.get("result", "")] for r in first]
-        out += [_table(["provider", "workload", "dtype", "N", "M", "fwd+bwd s", "detail",
-                        "result"], body), ""]
+        out += [
+            "## First call in a fresh process",
+            "",
+            "A subprocess with empty Triton and Inductor caches times its first forward and "
+            "backward (after import and input allocation).",
+            "",
+        ]
+        body = [
+            [
+                r["provider"],
+                r["workload"],
+                r["dtype"],
+                r["N"],
+                r["M"],
+                _f(r.get("first_call_s"), ".2f"),
+                r.get("note") or r.get("error", ""),
+                r.get("result", ""),
+            ]
+            for r in first
+        ]
+        out += [
+            _table(
+                ["provider", "workload", "dtype", "N", "M", "fwd+bwd s", "detail", "result"], body
+            ),
+            "",
+        ]
 
     mem_mode = "fwd+bwd" if any(r.get("mode") == "fwd+bwd" for r in bw) else "fwd"
-    mem = [(k, g) for k, g in sorted(groups.items(), key=_group_order)
-           if k[0] == "bw" and k[2] == mem_mode]
-    if mem and any(valid(r) and r.get("peak_extra_mb") is not None
-                   for _, g in mem for r in g.values()):
+    mem = [
+        (k, g)
+        for k, g in sorted(groups.items(), key=_group_order)
+        if k[0] == "bw" and k[2] == mem_mode
+    ]
+    if any(valid(r) and _f(r.get("peak_extra_mb")) != "–" for _, g in mem for r in g.values()):
         out += [f"## Peak extra memory of one {mem_mode} step (MiB)", ""]
-        body = [[d, wl, N, M] + [_f(g[p].get("peak_extra_mb")) if p in g and valid(g[p])
-                                 else "–" for p in provs]
-                for (kind, wl, m, d, N, M), g in mem]
+        body = [
+            [d, wl, N, M]
+            + [_f(g[p].get("peak_extra_mb")) if p in g and valid(g[p]) else "–" for p in provs]
+            for (kind, wl, m, d, N, M), g in mem
+        ]
         out += [_table(["dtype", "workload", "N", "M"] + provs, body), ""]
+
+    checked = [r for r in rows if str(r.get("note", "")).startswith(("max|Δ|", "check"))]
+    if checked:
+        out += ["## Output check", "",
+                "Largest |difference| of each output (y, [y1], [residual_out]) from torch eager "
+                "over the shapes run, per provider and workload (dropout workloads not checked: "
+                "the masks differ). bf16 values of order 1 differ by 2^-8 = 0.004 per ulp.", ""]  # fmt: skip
+        worst = {}
+        for r in checked:
+            k = (r["provider"], r["workload"], r["dtype"])
+            worst.setdefault(k, []).append(r["note"])
+        body = [[p, wl, dt, _worst_note(notes)] for (p, wl, dt), notes in sorted(worst.items())]
+        out += [_table(["provider", "workload", "dtype", "max |Δ|"], body), ""]
 
     errors = [r for r in rows if r.get("error")]
     if errors:
         out += ["## Errors and skips", ""]
-        body = [[r.get("kind"), r.get("provider"), r.get("workload"), r.get("mode"),
-                 r.get("dtype"), r.get("N"), str(r["error"]).replace("|", "/")] for r in errors]
+        body = [
+            [
+                r.get("kind"),
+                r.get("provider"),
+                r.get("workload"),
+                r.get("mode"),
+                r.get("dtype"),
+                r.get("N"),
+                str(r["error"]).replace("|", "/"),
+            ]
+            for r in errors
+        ]
         out += [_table(["kind", "provider", "workload", "mode", "dtype", "N", "error"], body), ""]
     return "\n".join(out)
+
+
+def _worst_note(notes):
+    """The per-output maxima over several 'max|Δ| vs torch: a, b' notes, or the first failure."""
+    bad = [n for n in notes if not n.startswith("max|Δ|")]
+    if bad:
+        return bad[0]
+    vals = [[float(v) for v in n.split(":", 1)[1].split(",")] for n in notes]
+    return ", ".join(f"{max(col):.3g}" for col in zip(*vals))
 
 
 def _dtype_order(dt):
@@ -350,8 +513,11 @@ def write_plots(out: Path, rows, env) -> list:
     for dt in sorted({r["dtype"] for r in bw}, key=_dtype_order):
         for mode in ("fwd", "bwd", "fwd+bwd"):
             sel = [r for r in bw if r["dtype"] == dt and r["mode"] == mode]
-            wls = [w for w in ["ln", "rms", "add_rms", "drop_add_ln", "parallel_ln"]
-                   if any(r["workload"] == w for r in sel)]
+            wls = [
+                w
+                for w in ["ln", "rms", "add_rms", "drop_add_ln", "parallel_ln"]
+                if any(r["workload"] == w for r in sel)
+            ]
             if not wls:
                 continue
             cols = min(3, len(wls))
@@ -359,23 +525,31 @@ def write_plots(out: Path, rows, env) -> list:
             fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows), squeeze=False)
             for ax, wl in zip(axes.flat, wls):
                 for p in provs:
-                    pts = sorted((r["N"], r["gbps"]) for r in sel
-                                 if r["workload"] == wl and r["provider"] == p)
+                    pts = sorted(
+                        (r["N"], r["gbps"])
+                        for r in sel
+                        if r["workload"] == wl and r["provider"] == p
+                    )
                     if pts:
                         ax.plot(*zip(*pts), marker="o", label=p, lw=2 if p == OURS else 1)
                 if env.get("copy_gbps"):
                     ax.axhline(env["copy_gbps"], color="k", ls="--", lw=1, label="copy")
                 ax.set_xscale("log", base=2)
-                ax.set_title(wl)
+                ticks = sorted({r["N"] for r in sel if r["workload"] == wl})
+                ax.set_xticks(ticks, [f"{n // 1024}K" if n >= 1024 else str(n) for n in ticks])
+                ax.minorticks_off()
+                ax.set_title(env.get("workloads", {}).get(wl, wl), fontsize=9)
                 ax.set_xlabel("N (hidden size)")
                 ax.set_ylabel("GB/s")
                 ax.set_ylim(bottom=0)
                 ax.grid(alpha=0.3)
-            for ax in list(axes.flat)[len(wls):]:
+            for ax in list(axes.flat)[len(wls) :]:
                 ax.axis("off")
             axes.flat[0].legend(fontsize=8)
-            fig.suptitle(f"{mode}, {dt}, M·N = {env.get('elements')}; {env.get('gpu')}, "
-                         f"torch {env.get('torch')}, triton {env.get('triton')}")
+            fig.suptitle(
+                f"{mode}, {dt}, M·N = {env.get('elements')}; {env.get('gpu')}, "
+                f"torch {env.get('torch')}, triton {env.get('triton')}"
+            )
             fig.tight_layout()
             name = f"gbps_{dt}_{mode.replace('+', '_')}.png"
             fig.savefig(out / name, dpi=110)

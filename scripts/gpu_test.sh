@@ -35,6 +35,7 @@ gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(n)) or "none"
 print(f"torch {torch.__version__}, triton {triton.__version__}, {n} GPU(s): {gpus}")
 EOF
 
+rm -f "$OUT/junit.xml" "$OUT/summary.txt"
 echo "== pytest -m gpu (timeout ${TEST_TIMEOUT}s)"
 timeout --kill-after=20 "$TEST_TIMEOUT" "$PYTHON" -m pytest -m gpu -q -rs tests \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
@@ -79,13 +80,20 @@ if junit.exists():
     passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
     print(f"tests: {passed} passed, {n['failures']} failed, {n['errors']} errors, "
           f"{n['skipped']} skipped of {n['tests']} in {float(suite.get('time', 0)):.0f}s")
+    skips = {}
     for case in suite.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        for tag, label in (("failure", "FAILED"), ("error", "ERROR"), ("skipped", "skipped")):
+        for tag, label in (("failure", "FAILED"), ("error", "ERROR")):
             el = case.find(tag)
             if el is not None:
                 msg = (el.get("message") or "").splitlines()
-                print(f"  {label:7s} {name}: {msg[0][:150] if msg else ''}")
+                print(f"  {label} {name}: {msg[0][:160] if msg else ''}")
+        el = case.find("skipped")
+        if el is not None:
+            reason = (el.get("message") or "").splitlines()[:1] or [""]
+            skips[reason[0][:160]] = skips.get(reason[0][:160], 0) + 1
+    for reason, count in sorted(skips.items(), key=lambda kv: -kv[1]):
+        print(f"  skipped x{count}: {reason}")
 else:
     why = "timed out" if test_rc in (124, 137) else f"exit {test_rc}"
     print(f"tests: no junit report ({why}); see {out / 'pytest.log'}")

@@ -25,7 +25,9 @@ N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 # below says so again so that these files also skip cleanly on their own.
 requires_gpu = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
 ]
 requires_2gpus = [
     pytest.mark.gpu,
@@ -96,9 +98,7 @@ def worker_env(**extra: str) -> dict:
     """Environment for a worker subprocess: the checkout importable, NCCL settings of the
     GPU machines (NVLink multicast off), plus ``extra``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     env.update(extra)
