@@ -114,9 +114,7 @@ class FusedNormFunction(torch.autograd.Function):
         y1 = y1.view(shape) if y1 is not None else None
         mask = mask.view(shape) if mask is not None else None
         mask1 = mask1.view(shape) if mask1 is not None else None
-        for t in (mask, mask1):
-            if t is not None:
-                ctx.mark_non_differentiable(t)
+        # Bool masks need no mark_non_differentiable: autograd never differentiates bool outputs.
         return y, y1, res_out, mask, mask1
 
     @staticmethod
