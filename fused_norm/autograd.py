@@ -83,6 +83,11 @@ class FusedNormFunction(torch.autograd.Function):
             and dropout_p == 0.0 and residual_dtype == x.dtype
         )  # fmt: skip
         rowscale1 = rowscale.reshape(-1).contiguous() if rowscale is not None else None
+        # The kernels read parameters with unit stride.
+        weight, bias, weight1, bias1, layerscale = (
+            t.contiguous() if t is not None else None
+            for t in (weight, bias, weight1, bias1, layerscale)
+        )
         y, y1, res_out, mean, rstd, mask, mask1 = ops.fused_norm_fwd(
             x2, weight, bias, _rows(residual), _rows(x1), weight1, bias1, rowscale1, layerscale,
             seeds, eps, dropout_p, is_rms_norm, zero_centered_weight, out_dtype or x.dtype,
@@ -91,8 +96,11 @@ class FusedNormFunction(torch.autograd.Function):
             y=out.view(-1, n) if out is not None else None,
             residual_out=residual_out.view(-1, n) if residual_out is not None else None,
         )  # fmt: skip
+        # Save a caller's residual_out buffer itself, not a view of it made here: it is marked
+        # dirty below, and autograd refuses views of dirtied tensors made inside forward.
+        saved_s = x2 if s_is_x else (residual_out if residual_out is not None else res_out)
         ctx.save_for_backward(
-            x2 if s_is_x else res_out, weight, bias, weight1, bias1, rowscale1, layerscale,
+            saved_s, weight, bias, weight1, bias1, rowscale1, layerscale,
             seeds, mean, rstd, x2 if layerscale is not None else None,
         )  # fmt: skip
         ctx.shape = shape
@@ -125,6 +133,7 @@ class FusedNormFunction(torch.autograd.Function):
         dropout_p, is_rms_norm, zero_centered_weight, prenorm = ctx.flags
         x_dtype, residual_dtype, x1_dtype = ctx.dtypes
         shape = ctx.shape
+        s = s.reshape(-1, s.shape[-1])
         # Grads of unused outputs arrive as None: zeros for y/y1, "absent" for the stream.
         # (.contiguous() is free for the usual contiguous grads, and keeps strides out of the
         # graph that torch.compile traces for this backward.)
@@ -142,11 +151,18 @@ class FusedNormFunction(torch.autograd.Function):
             x_dtype=x_dtype, residual_dtype=residual_dtype, x1_dtype=x1_dtype,
         )  # fmt: skip
 
+        # Where dresidual / dx1 equal dx, return the very same tensor object (not a second view
+        # of it): autograd then copies before accumulating one of them into a leaf's .grad,
+        # instead of letting two .grad fields share storage.
+        dx_full = dx.view(shape)
+
         def full(t):
-            return t.view(shape) if t is not None else None
+            if t is None:
+                return None
+            return dx_full if t is dx else t.view(shape)
 
         return (
-            full(dx), dw, db, full(dres), full(dx1), dw1, db1, None, dls,
+            dx_full, dw, db, full(dres), full(dx1), dw1, db1, None, dls,
             None, None, None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
@@ -161,9 +177,12 @@ def _torch_forward(
         x = x * layerscale
     mask = mask1 = None
     if dropout_p > 0.0:
-        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - dropout_p)
+        # Contiguous masks: the draw must not depend on the inputs' memory layout.
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - dropout_p)
         if x1 is not None:
-            mask1 = torch.empty_like(x1, dtype=torch.bool).bernoulli_(1.0 - dropout_p)
+            mask1 = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(
+                1.0 - dropout_p
+            )
 
     def up(t):
         return t.to(compute) if t is not None else None

@@ -62,6 +62,16 @@ def bwd_num_warps(block_n: int) -> int:
     return min(max(block_n // 512, 4), 32)
 
 
+# Wide-row backward: bytes of (s, dy) per program that one row group may span, so that the
+# group's rows are re-read from L2 (132 programs x 256 KB = 34 MB, under the 50-60 MB L2).
+BWD_GROUP_BYTES = 256 * 1024
+
+
+def bwd_row_group(n_cols: int, elem_bytes: int) -> int:
+    """Rows per group of the wide-row backward (>= 1); see BWD_GROUP_BYTES."""
+    return max(BWD_GROUP_BYTES // (2 * n_cols * elem_bytes), 1)
+
+
 def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int) -> int:
     """Size of the backward's persistent grid: BWD_WARPS_PER_SM worth of programs, at most M."""
     per_sm = max(BWD_WARPS_PER_SM // num_warps, 1)

@@ -16,8 +16,9 @@ Design notes
 * Backward, a persistent grid: program ``p`` owns the contiguous rows
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and keeps fp32 partial sums of dW/dB in
   registers, written once to row ``p`` of a ``(num_programs, N)`` buffer that the host sums.
-  No atomics, no locks: the result is bitwise deterministic. Wide rows read each row twice: once
-  for the row sums c1, c2, then chunk by chunk with the partials of that chunk in registers.
+  No atomics, no locks: the result is bitwise deterministic. Wide rows go in small groups of
+  rows: the row sums c1, c2 first, then chunk by chunk (re-reading the group's rows, still in
+  L2) with that chunk's partials in registers, added to the program's partial rows.
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -155,6 +156,9 @@ def _fused_norm_fwd_kernel(
         )  # fmt: skip
         if STORE_RESIDUAL_OUT:
             tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
+            # Normalise the stream as stored (rounded to its dtype): the backward and the next
+            # layer see that tensor, and statistics of the unrounded sum would not match it.
+            s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
         if IS_RMS_NORM:
             var = tl.sum(s * s, axis=0) / N
         else:
@@ -185,6 +189,7 @@ def _fused_norm_fwd_kernel(
             )  # fmt: skip
             if STORE_RESIDUAL_OUT:
                 tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
+                s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see above)
             if IS_RMS_NORM:
                 m2 += tl.sum(s * s, axis=0)
             else:
@@ -289,6 +294,11 @@ def _input_grads(
 
 
 @triton.jit
+def _add_partial(ptr, value, col_mask):
+    tl.store(ptr, tl.load(ptr, mask=col_mask, other=0.0) + value, mask=col_mask)
+
+
+@triton.jit
 def _fused_norm_bwd_kernel(
     S,             # (M, N) the normalised pre-norm sum (residual stream, or x itself)
     W,             # (N,) weight
@@ -316,6 +326,7 @@ def _fused_norm_bwd_kernel(
     M, N,
     dropout_p,
     rows_per_program,  # contiguous rows owned by each program
+    row_group,     # rows per group of the wide-row path (if NUM_CHUNKS > 1)
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -381,68 +392,72 @@ def _fused_norm_bwd_kernel(
         if HAS_LAYERSCALE:
             tl.store(DLS_PART + part + cols, dls, mask=col_mask)
     else:
-        # Wide rows, in two phases over the program's rows. Phase 1 (row by row) takes c1, c2
-        # of each row into the (M, 2) scratch C12. Phase 2 (chunk by chunk, rows inside) forms
-        # ds, dx and keeps the chunk's dW/dB partials in registers: each row is read twice, but
-        # no fp32 partial is read back, which cost more (bench/NOTES.md).
-        for row in range(row_start, row_end):
-            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # Wide rows, in groups of `row_group` rows. Phase 1 (row by row) takes each row's c1, c2
+        # into the (M, 2) scratch C12; phase 2 goes chunk by chunk over the group's rows, forming
+        # ds, dx with that chunk's dW/dB partials in registers, then adds them to the program's
+        # (zeroed) partial rows. The group is sized on the host so that its rows are still in L2
+        # when phase 2 reads them again (bench/NOTES.md).
+        for g0 in range(row_start, row_end, row_group):
+            g1 = tl.minimum(g0 + row_group, row_end)
+            for row in range(g0, g1):
+                acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for c in range(NUM_CHUNKS):
+                    ccols = c * BLOCK_N + cols
+                    col_mask = ccols < N
+                    xhat, dy, dy1, wdy = _row_grads(
+                        S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
+                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                    )  # fmt: skip
+                    acc1 += xhat * wdy
+                    acc2 += wdy
+                tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
+                tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
+            tl.debug_barrier()  # phase 1's scratch writes are visible to all threads of phase 2
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_N + cols
                 col_mask = ccols < N
-                xhat, dy, dy1, wdy = _row_grads(
-                    S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
-                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-                )  # fmt: skip
-                acc1 += xhat * wdy
-                acc2 += wdy
-            tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
-            tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
-        tl.debug_barrier()  # phase 1's scratch writes are visible to all threads of phase 2
-        for c in range(NUM_CHUNKS):
-            ccols = c * BLOCK_N + cols
-            col_mask = ccols < N
-            dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for row in range(row_start, row_end):
-                xhat, dy, dy1, wdy = _row_grads(
-                    S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
-                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-                )  # fmt: skip
-                dw += dy * xhat
+                dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for row in range(g0, g1):
+                    xhat, dy, dy1, wdy = _row_grads(
+                        S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
+                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                    )  # fmt: skip
+                    dw += dy * xhat
+                    if HAS_BIAS:
+                        db += dy
+                    if HAS_W1:
+                        dw1 += dy1 * xhat
+                        if HAS_B1:
+                            db1 += dy1
+                    rstd = tl.load(RSTD + row)
+                    c1 = tl.load(C12 + 2 * row)
+                    if IS_RMS_NORM:
+                        ds = (wdy - xhat * c1) * rstd
+                    else:
+                        ds = (wdy - (xhat * c1 + tl.load(C12 + 2 * row + 1))) * rstd
+                    if HAS_DRESIDUAL_OUT:
+                        ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + ccols,
+                                      mask=col_mask, other=0.0).to(tl.float32)  # fmt: skip
+                    dls_row = _input_grads(
+                        ds, row, c * BLOCK_N, ccols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE,
+                        SEEDS, DX, DX1, DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row,
+                        stride_dres_row, dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1,
+                        HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+                    )  # fmt: skip
+                    if HAS_LAYERSCALE:
+                        dls += dls_row
+                # Each thread updates the same columns every time: no race, no barrier needed.
+                _add_partial(DW_PART + part + ccols, dw, col_mask)
                 if HAS_BIAS:
-                    db += dy
+                    _add_partial(DB_PART + part + ccols, db, col_mask)
                 if HAS_W1:
-                    dw1 += dy1 * xhat
+                    _add_partial(DW1_PART + part + ccols, dw1, col_mask)
                     if HAS_B1:
-                        db1 += dy1
-                rstd = tl.load(RSTD + row)
-                c1 = tl.load(C12 + 2 * row)
-                if IS_RMS_NORM:
-                    ds = (wdy - xhat * c1) * rstd
-                else:
-                    ds = (wdy - (xhat * c1 + tl.load(C12 + 2 * row + 1))) * rstd
-                if HAS_DRESIDUAL_OUT:
-                    ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + ccols,
-                                  mask=col_mask, other=0.0).to(tl.float32)  # fmt: skip
-                dls_row = _input_grads(
-                    ds, row, c * BLOCK_N, ccols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS,
-                    DX, DX1, DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row,
-                    stride_dres_row, dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE,
-                    HAS_LAYERSCALE, HAS_DROPOUT,
-                )  # fmt: skip
+                        _add_partial(DB1_PART + part + ccols, db1, col_mask)
                 if HAS_LAYERSCALE:
-                    dls += dls_row
-            tl.store(DW_PART + part + ccols, dw, mask=col_mask)
-            if HAS_BIAS:
-                tl.store(DB_PART + part + ccols, db, mask=col_mask)
-            if HAS_W1:
-                tl.store(DW1_PART + part + ccols, dw1, mask=col_mask)
-                if HAS_B1:
-                    tl.store(DB1_PART + part + ccols, db1, mask=col_mask)
-            if HAS_LAYERSCALE:
-                tl.store(DLS_PART + part + ccols, dls, mask=col_mask)
+                    _add_partial(DLS_PART + part + ccols, dls, col_mask)

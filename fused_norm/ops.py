@@ -216,7 +216,7 @@ def _bwd_launch(
             seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
             s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
             dx.stride(0), _stride0(dx1), _stride0(dresidual),
-            m, n, dropout_p, triton.cdiv(m, programs),
+            m, n, dropout_p, triton.cdiv(m, programs), config.bwd_row_group(n, s.element_size()),
             BLOCK_N=block_n,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
@@ -275,7 +275,8 @@ def fused_norm_bwd(
         dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
     block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
     programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n))
-    alloc = torch.zeros if m == 0 else torch.empty
+    # The wide-row path adds into its partial rows; the one-block path writes them once.
+    alloc = torch.zeros if m == 0 or num_chunks > 1 else torch.empty
 
     def part(present):
         return alloc((programs, n), dtype=torch.float32, device=dev) if present else None

@@ -41,3 +41,17 @@ def _seed():
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how many hypothesis examples each property test ran (counted by the tests)."""
+    import sys
+
+    helpers = sys.modules.get("_helpers")
+    counts = getattr(helpers, "EXAMPLE_COUNTS", None)
+    if not counts:
+        return
+    terminalreporter.section("hypothesis examples run")
+    for name, n in sorted(counts.items()):
+        terminalreporter.write_line(f"{name}: {n}")
+    terminalreporter.write_line(f"total: {sum(counts.values())}")

@@ -1,0 +1,141 @@
+"""Dropout: keep rate, reproducibility under torch.manual_seed, the backward's mask, the
+independence of the x and x1 masks, and the 1 / (1 - p) scaling of kept values.
+
+The masks come from ``return_dropout_mask=True`` (True = kept). Each test runs through the
+kernels (the interpreter on CPU) and, where the property is part of the contract rather than of
+the kernels, also through the PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _helpers import Case, check_case, max_block_bytes
+
+from fused_norm import layer_norm_fn, rms_norm_fn
+
+BACKENDS = ["auto", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("FUSED_NORM_BACKEND", request.param)
+    return request.param
+
+
+def _call(x, x1=None, p=0.5, seed=0, **kw):
+    """layer_norm_fn with masks; returns (y, residual_out, mask, mask1) (prenorm on)."""
+    n = x.shape[-1]
+    w = torch.ones(n, device=x.device, dtype=x.dtype)
+    torch.manual_seed(seed)
+    return layer_norm_fn(
+        x, w, None, x1=x1, dropout_p=p, prenorm=True, residual_in_fp32=True,
+        return_dropout_mask=True, **kw,
+    )  # fmt: skip
+
+
+def _within_sigmas(count: int, total: int, prob: float, sigmas: float = 5.0) -> bool:
+    sd = math.sqrt(total * prob * (1.0 - prob))
+    return abs(count - total * prob) <= sigmas * sd
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_kept_fraction(p, device, backend):
+    """The keep rate of both masks lies within 5 binomial sigmas of 1 - p (65 536 elements)."""
+    x = torch.randn(64, 1024, device=device)
+    x1 = torch.randn(64, 1024, device=device)
+    _, _, mask, mask1 = _call(x, x1, p)
+    for name, m in (("mask", mask), ("mask1", mask1)):
+        kept = int(m.sum())
+        assert _within_sigmas(kept, m.numel(), 1.0 - p), (
+            f"{name}: kept {kept} of {m.numel()} with p={p}; expected "
+            f"{m.numel() * (1 - p):.0f} +- 5 sigma"
+        )
+
+
+def test_rows_and_columns_get_fresh_randomness(device):
+    """Per-row seeds: no two rows share a mask, and no column is constant across rows."""
+    x = torch.randn(64, 256, device=device)
+    _, _, mask, _ = _call(x, p=0.5)
+    assert torch.unique(mask, dim=0).shape[0] == 64, "two rows got the same dropout mask"
+    col_kept = mask.float().mean(0)
+    assert bool(((col_kept > 0) & (col_kept < 1)).all()), "a column is kept or dropped in every row"
+
+
+def test_same_seed_same_mask(device, backend):
+    """Same torch.manual_seed -> identical masks and outputs; another seed -> other masks."""
+    x = torch.randn(3, 5, 96, device=device)
+    x1 = torch.randn(3, 5, 96, device=device)
+    a = _call(x, x1, 0.3, seed=1234)
+    b = _call(x, x1, 0.3, seed=1234)
+    c = _call(x, x1, 0.3, seed=4321)
+    for name, u, v in zip(("y", "residual_out", "mask", "mask1"), a, b):
+        assert torch.equal(u, v), f"{name} differs under the same seed"
+    assert not torch.equal(a[2], c[2]), "another seed gave the same mask"
+    assert not torch.equal(a[3], c[3]), "another seed gave the same mask1"
+
+
+def test_x_and_x1_masks_differ(device, backend):
+    """The two inputs are dropped independently: they disagree on ~2p(1-p) of the elements."""
+    p = 0.5
+    x = torch.randn(64, 1024, device=device)
+    _, _, mask, mask1 = _call(x, torch.randn_like(x), p)
+    disagree = int((mask != mask1).sum())
+    assert _within_sigmas(disagree, mask.numel(), 2 * p * (1 - p)), (
+        f"x and x1 masks disagree on {disagree} of {mask.numel()} elements"
+    )
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_kept_values_scaled(p, device, backend):
+    """residual_out (fp32 stream) = rowscale * x * mask / (1 - p) + x1 * mask1 / (1 - p)."""
+    x = torch.randn(6, 200, device=device)
+    x1 = torch.randn(6, 200, device=device)
+    rowscale = torch.rand(6, device=device) + 0.5
+    _, res, mask, mask1 = _call(x, x1, p, rowscale=rowscale)
+    x64, x164 = x.double() * rowscale.double()[:, None], x1.double()
+    expected = (x64 * mask + x164 * mask1) / (1.0 - p)
+    assert res.dtype == torch.float32
+    torch.testing.assert_close(res.double(), expected, rtol=1e-6, atol=1e-5)
+    # Without x1 the dropped elements of the stream are exactly zero.
+    _, res, mask, _ = _call(x, None, p)
+    assert bool((res[~mask] == 0).all()), "a dropped element reached the residual stream"
+    torch.testing.assert_close(res[mask].double(), x.double()[mask] / (1.0 - p), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("block_bytes", [None, 64], ids=["one-block", "chunked"])
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["ln", "rms"])
+def test_backward_uses_forward_mask(block_bytes, is_rms_norm, device):
+    """d(x) is exactly 0 where x was dropped (likewise x1) and matches the reference run with
+    the forward's masks; with dropout the stored mask is regenerated in the backward from the
+    row seeds, chunk by chunk in the wide-row path."""
+    case = Case(shape=(2, 3, 80), dtype=torch.float32, is_rms_norm=is_rms_norm,
+                residual_dtype=torch.float32, has_x1=True, has_w1=True, dropout_p=0.5,
+                prenorm=True, seed=7)  # fmt: skip
+    with max_block_bytes(block_bytes):
+        _, grads, (mask, mask1) = check_case(case, "fn", device=device)
+    for name, g, m in (("x", grads["x"], mask), ("x1", grads["x1"], mask1)):
+        assert bool((g[~m] == 0).all()), f"grad of {name} is nonzero where {name} was dropped"
+        assert float((g[m] != 0).float().mean()) > 0.99, f"grad of {name} vanishes where kept"
+
+
+def test_dropout_zero_is_identity(device):
+    """dropout_p = 0 returns no masks and the same result as the plain norm."""
+    x = torch.randn(4, 33, device=device)
+    w = torch.randn(33, device=device)
+    y, m, m1 = rms_norm_fn(x, w, None, dropout_p=0.0, return_dropout_mask=True)
+    assert m is None and m1 is None
+    torch.testing.assert_close(y, rms_norm_fn(x, w, None))
+
+
+def test_mask_independent_of_memory_layout(device, backend):
+    """A transposed view and its contiguous copy get the same mask under one seed: the mask
+    belongs to x's logical elements, not to its memory layout."""
+    base = torch.randn(40, 6, device=device)
+    results = []
+    for x in (base.t(), base.t().contiguous()):
+        _, _, mask, _ = _call(x, p=0.3, seed=5)
+        results.append(mask)
+    assert torch.equal(results[0], results[1]), "the dropout mask depends on x's strides"

@@ -1,0 +1,174 @@
+"""Property tests of the kernels: every output and every gradient against the reference.
+
+Hypothesis draws shapes (N from 1 to 320 with primes and powers of two +-1; 2-D and 3-D
+inputs), dtypes and every flag; ``_helpers.check_case`` applies the three-way tolerance rule
+(kernel vs fp64 reference <= 2 x plain PyTorch's error + a few ulps). On CPU the kernels run in
+the Triton interpreter, about 0.05 s per row per direction, so the leading shapes stay small
+(mostly < 8 rows) to fit about a thousand examples into a few minutes.
+
+The example counts are set per test (``max_examples``); conftest prints the number actually run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import Case, check_case, count_example, max_block_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Widths where off-by-one and power-of-two edges live: 1, 2, primes, 2**k - 1, 2**k, 2**k + 1.
+SPECIAL_N = (1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 31, 32, 33, 61, 63, 64, 65, 97, 127, 128, 129,
+             211, 255, 256, 257, 311, 320)  # fmt: skip
+# Rows of 2-D inputs: mostly few (interpreter time is linear in rows), a few more up to 24.
+ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
+
+EXAMPLES_FN = 560
+EXAMPLES_CHUNKED = 200
+EXAMPLES_LEGACY = 150
+EXAMPLES_PARALLEL = 110
+
+
+def widths(max_n: int = 320):
+    return st.one_of(st.sampled_from([n for n in SPECIAL_N if n <= max_n]), st.integers(1, max_n))
+
+
+def leading(max_rows: int = 24):
+    rows_2d = st.sampled_from([m for m in ROWS if m <= max_rows]).map(lambda m: (m,))
+    rows_3d = st.tuples(st.integers(1, 2), st.integers(1, 4)).filter(
+        lambda bt: bt[0] * bt[1] <= max_rows
+    )
+    return st.one_of(rows_2d, rows_3d)
+
+
+@st.composite
+def cases(draw, api="fn", max_n=320, max_rows=24):
+    """A Case for ``api`` ("fn", "legacy" or "parallel") with every flag drawn."""
+    n = draw(widths(max_n))
+    dtype = draw(st.sampled_from(DTYPES))
+    residual = draw(st.sampled_from([None, "same", "fp32"]))
+    has_x1 = api == "parallel" or (api == "fn" and draw(st.booleans()))
+    has_w1 = api != "legacy" and draw(st.booleans())
+    scale = draw(st.sampled_from([1.0, 1e-2, 30.0]))
+    return Case(
+        shape=draw(leading(max_rows)) + (n,),
+        dtype=dtype,
+        weight_dtype=draw(st.sampled_from([None, torch.float32])),
+        is_rms_norm=draw(st.booleans()),
+        has_bias=draw(st.booleans()),
+        residual_dtype={None: None, "same": dtype, "fp32": torch.float32}[residual],
+        residual_in_fp32=draw(st.booleans()),
+        has_x1=has_x1,
+        has_w1=has_w1,
+        has_b1=has_w1 and draw(st.booleans()),
+        rowscale=api != "parallel" and draw(st.booleans()),
+        layerscale=api == "legacy" and draw(st.booleans()),
+        dropout_p=draw(st.sampled_from([0.0, 0.1, 0.5])),
+        prenorm=draw(st.booleans()),
+        zero_centered_weight=api == "fn" and draw(st.booleans()),
+        out_dtype=draw(st.sampled_from([None, torch.float32])) if api == "fn" else None,
+        eps=draw(st.sampled_from([1e-6, 1e-5, 1e-2])),
+        scale=scale,
+        # A mean offset of several standard deviations exercises LayerNorm's cancellation; it
+        # stays within what the dtype resolves (bf16 keeps 8 bits, so 10 sigma leaves ~5).
+        offset=scale * draw(st.sampled_from([0.0, 3.0, 10.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=EXAMPLES_FN)
+@given(case=cases("fn"))
+def test_fn_matches_reference(case):
+    """layer_norm_fn / rms_norm_fn, one block per row: outputs and all grads vs reference."""
+    count_example("test_fn_matches_reference")
+    check_case(case, "fn")
+
+
+@st.composite
+def chunked_cases(draw):
+    """Cases for the multi-chunk path, with the block cap that forces it: 64 bytes is 16 fp32
+    or 32 16-bit columns per chunk, 256 bytes four times that; at most ~8 chunks and 4 rows."""
+    block_bytes = draw(st.sampled_from([64, 256]))
+    case = draw(cases("fn", max_n=128 if block_bytes == 64 else 320, max_rows=4))
+    return case, block_bytes
+
+
+@settings(max_examples=EXAMPLES_CHUNKED)
+@given(arg=chunked_cases())
+def test_fn_chunked_matches_reference(arg):
+    """The wide-row path (NUM_CHUNKS > 1) forced by a small MAX_BLOCK_BYTES."""
+    count_example("test_fn_chunked_matches_reference")
+    case, block_bytes = arg
+    with max_block_bytes(block_bytes):  # restored on exit, also on failure
+        check_case(case, "fn")
+
+
+@settings(max_examples=EXAMPLES_LEGACY)
+@given(case=cases("legacy"), chunked=st.sampled_from([None, None, None, 256]))
+def test_legacy_matches_reference(case, chunked):
+    """dropout_add_layer_norm / dropout_add_rms_norm with rowscale and layerscale; the
+    layerscale gradient is checked against the reference on ``x0 * layerscale``."""
+    count_example("test_legacy_matches_reference")
+    with max_block_bytes(chunked):
+        check_case(case, "legacy")
+
+
+@settings(max_examples=EXAMPLES_PARALLEL)
+@given(case=cases("parallel"))
+def test_parallel_residual_matches_reference(case):
+    """dropout_add_*_parallel_residual: two inputs, one or two outputs."""
+    count_example("test_parallel_residual_matches_reference")
+    check_case(case, "parallel")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pinned regressions: small explicit cases of what once broke.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # A 16-bit residual stream is re-read by the backward as stored (rounded), so the
+        # forward's statistics must come from the same rounded values; rows whose variance is
+        # near eps amplify any mismatch by rstd = 1/sqrt(eps). RMSNorm with N = 1:
+        # dx ~ (1 - xhat^2) cancels; LayerNorm with N = 1: xhat must be exactly 0.
+        Case(shape=(7, 1), dtype=torch.float16, is_rms_norm=True, residual_dtype=torch.float16,
+             scale=0.01, offset=0.1, seed=88),
+        Case(shape=(8, 1), dtype=torch.float16, residual_dtype=torch.float16, seed=1),
+        Case(shape=(6, 1), dtype=torch.bfloat16, rowscale=True, prenorm=True, seed=2),
+    ],
+    ids=["rms-n1-fp16-stream", "ln-n1-fp16-stream", "ln-n1-bf16-rowscale"],
+)  # fmt: skip
+def test_stream_rounding_regressions(case):
+    check_case(case, "fn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_single_column_layer_norm_is_constant(dtype, device):
+    """LayerNorm of one column normalises to exactly 0: y = bias, and every gradient but the
+    bias's is exactly 0, whatever the rounding of the (16-bit) residual stream."""
+    from fused_norm import layer_norm_fn
+
+    x = torch.randn(16, 1, device=device, dtype=dtype, requires_grad=True)
+    residual = torch.randn(16, 1, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.ones(1, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.full((1,), 0.5, device=device, dtype=dtype, requires_grad=True)
+    y = layer_norm_fn(x, weight, bias, residual=residual, eps=1e-5)
+    assert bool((y == 0.5).all()), f"y = {y.flatten().tolist()}"
+    y.backward(torch.randn_like(y))
+    for name, t in (("weight", weight), ("x", x), ("residual", residual)):
+        assert not t.grad.any(), f"d({name}) = {t.grad.flatten().tolist()}, expected 0"
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_legacy_rowscale_layerscale(is_rms_norm, dtype, device):
+    """Pinned: the legacy API with rowscale, layerscale, dropout and a residual; the
+    layerscale gradient against the reference on ``x0 * layerscale``."""
+    case = Case(shape=(2, 3, 50), dtype=dtype, weight_dtype=torch.float32,
+                is_rms_norm=is_rms_norm, residual_dtype=torch.float32, rowscale=True,
+                layerscale=True, dropout_p=0.1, prenorm=True, seed=9)  # fmt: skip
+    _, grads, _ = check_case(case, "legacy", device=device)
+    assert grads["layerscale"] is not None and grads["layerscale"].shape == (50,)
