@@ -127,6 +127,7 @@ def main():
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
     ap.add_argument("--bwd-max-bytes", default=str(config.BWD_MAX_BLOCK_BYTES))
+    ap.add_argument("--bwd-group-bytes", default=str(config.BWD_GROUP_BYTES))
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -144,18 +145,20 @@ def main():
         return [None] if v == "auto" else [int(t) for t in v.split(",")]
 
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
-            config.BWD_MAX_BLOCK_BYTES)  # fmt: skip
+            config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
+            config.BWD_GROUP_BYTES)  # fmt: skip
     rows = []
     for n, workload, mode in itertools.product(
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
     ):
         if mode == "fwd":
-            variants = [(fw, None, None, None) for fw in ints(args.fwd_warps)]
+            variants = [(fw, None, None, None, None) for fw in ints(args.fwd_warps)]
         else:
             variants = list(itertools.product([None], ints(args.bwd_warps),
                                               ints(args.bwd_warps_per_sm),
-                                              ints(args.bwd_max_bytes)))  # fmt: skip
-        for fw, bw, wps, maxb in variants:
+                                              ints(args.bwd_max_bytes),
+                                              ints(args.bwd_group_bytes)))  # fmt: skip
+        for fw, bw, wps, maxb, gb in variants:
             if fw:
                 config.fwd_num_warps = lambda block_n, _w=fw: _w
             if bw:
@@ -163,13 +166,15 @@ def main():
             if wps:
                 config.BWD_WARPS_PER_SM = wps
             if maxb:
-                config.BWD_MAX_BLOCK_BYTES = maxb
+                config.BWD_MAX_BLOCK_BYTES = config.BWD_MAX_BLOCK_BYTES_MULTI = maxb
+            if gb:
+                config.BWD_GROUP_BYTES = gb
             if mode == "fwd":
                 desc = f"warps={config.fwd_num_warps(config.block_config(n, 2)[0])}"
             else:
                 bn, nc = config.block_config(n, 2, config.BWD_MAX_BLOCK_BYTES)
                 desc = (f"warps={config.bwd_num_warps(bn)} wps={config.BWD_WARPS_PER_SM} "
-                        f"block={bn}x{nc}")  # fmt: skip
+                        f"block={bn}x{nc} group={config.bwd_row_group(n, 2)}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""
@@ -177,7 +182,8 @@ def main():
                 ms, gbps, err = float("nan"), float("nan"), repr(e)[:200]
             finally:
                 (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
-                 config.BWD_MAX_BLOCK_BYTES) = orig  # fmt: skip
+                 config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
+                 config.BWD_GROUP_BYTES) = orig  # fmt: skip
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

@@ -18,9 +18,12 @@ import triton
 # on Hopper (flash-attn and Liger cap there too); see bench/NOTES.md.
 MAX_BLOCK_BYTES = 65536
 
-# The backward holds more per column (w, dw, db, s, dy, ...), so its registers run out sooner:
-# 16K bf16 columns in one block ran at 91% of copy, 32K at 24% (spills), sweep of 2026-11-22.
+# The backward holds more per column (w, s, dy and one fp32 partial per parameter gradient), so
+# its registers run out sooner. Sweeps of 2026-11-22 (H200, bf16): with one partial (RMSNorm, no
+# bias) 16K columns in one block ran at 92% of copy, 32K at 24% (spills); with two (LayerNorm
+# with bias) 16K in one block ran at 40%, as two 8K chunks at 50%.
 BWD_MAX_BLOCK_BYTES = 32768
+BWD_MAX_BLOCK_BYTES_MULTI = 16384  # two or more partial-gradient vectors
 
 # Program count used where the device reports no multiprocessors (the CPU interpreter).
 FALLBACK_SM_COUNT = 4
@@ -62,9 +65,11 @@ def bwd_num_warps(block_n: int) -> int:
     return min(max(block_n // 512, 4), 32)
 
 
-# Wide-row backward: bytes of (s, dy) per program that one row group may span, so that the
-# group's rows are re-read from L2 (132 programs x 256 KB = 34 MB, under the 50-60 MB L2).
-BWD_GROUP_BYTES = 256 * 1024
+# Wide-row backward: bytes of (s, dy) per program that one row group may span. Groups small
+# enough for their rows to be re-read from L2 (256 KB per program) measured 10-30% slower than
+# one group of all the program's rows at N = 16K..256K (the partials' read-modify-write costs
+# more than the re-read saves), so by default a group is all of them.
+BWD_GROUP_BYTES = 2**40
 
 
 def bwd_row_group(n_cols: int, elem_bytes: int) -> int:

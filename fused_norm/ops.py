@@ -208,15 +208,18 @@ def _bwd_launch(
     if m == 0:
         return
     programs = dw_part.shape[0]
-    block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
+    partials = sum(p is not None for p in (dw_part, db_part, dw1_part, db1_part, dls_part))
+    block_n, num_chunks = _bwd_block_config(n, s, dy, dx, partials)
     num_warps = config.bwd_num_warps(block_n)
+    rows_per_program = triton.cdiv(m, programs)
     with config.device_guard(s.device):
         _fused_norm_bwd_kernel[(programs,)](
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
             seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
             s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
             dx.stride(0), _stride0(dx1), _stride0(dresidual),
-            m, n, dropout_p, triton.cdiv(m, programs), config.bwd_row_group(n, s.element_size()),
+            m, n, dropout_p, rows_per_program,
+            min(config.bwd_row_group(n, s.element_size()), rows_per_program),
             BLOCK_N=block_n,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
@@ -235,9 +238,10 @@ def _bwd_launch(
 
 
 
-def _bwd_block_config(n, s, dy, dx):
+def _bwd_block_config(n, s, dy, dx, partials):
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
-    return config.block_config(n, elem_bytes, config.BWD_MAX_BLOCK_BYTES)
+    cap = config.BWD_MAX_BLOCK_BYTES if partials <= 1 else config.BWD_MAX_BLOCK_BYTES_MULTI
+    return config.block_config(n, elem_bytes, cap)
 
 
 _bwd_op = torch.library.custom_op(
@@ -273,7 +277,8 @@ def fused_norm_bwd(
     dx1 = None
     if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
         dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
-    block_n, num_chunks = _bwd_block_config(n, s, dy, dx)
+    partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
+    block_n, num_chunks = _bwd_block_config(n, s, dy, dx, partials)
     programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n))
     # The wide-row path adds into its partial rows; the one-block path writes them once.
     alloc = torch.zeros if m == 0 or num_chunks > 1 else torch.empty

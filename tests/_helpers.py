@@ -371,7 +371,8 @@ class max_block_bytes:
     (``fused_norm.config.MAX_BLOCK_BYTES`` / ``BWD_MAX_BLOCK_BYTES``), forcing the chunked
     paths, with small row groups in the backward (``BWD_GROUP_BYTES``); None leaves them alone. Restored on exit, also on failure."""
 
-    NAMES = ("MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES", "BWD_GROUP_BYTES")
+    NAMES = ("MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES_MULTI",
+             "BWD_GROUP_BYTES")
 
     def __init__(self, value: Optional[int]):
         self.value = value

@@ -62,7 +62,8 @@ def _case(flags: str, n: int, dtype: torch.dtype, rows=None, seed=0) -> Case:
 def test_gpu_matches_reference(flags, n, dtype):
     """Outputs and every gradient vs the fp64 reference (three-way rule) at real widths.
     Rows wider than config.MAX_BLOCK_BYTES (64 KB: 16K fp32 / 32K 16-bit columns) take the
-    forward's chunked path, wider than BWD_MAX_BLOCK_BYTES (32 KB) the backward's."""
+    forward's chunked path, wider than BWD_MAX_BLOCK_BYTES (32 KB; 16 KB with two or more
+    parameter gradients) the backward's."""
     check_case(_case(flags, n, dtype), "fn", device="cuda")
 
 
