@@ -1,7 +1,7 @@
 """Training throughput of the example GPT: fused_norm vs the unfused torch norm, eager and compiled.
 
-    python examples/bench_gpt.py runs/bench_gpt.md                 # small & medium; aimed at < 5 min on an H100
-    python examples/bench_gpt.py out.md --presets small --steps 40  # a quicker subset
+    python examples/bench_gpt.py runs/bench_gpt.md    # small & medium (aimed at < 5 min on an H100)
+    python examples/bench_gpt.py out.md --presets small --no-compile   # a quicker subset
 
 Each cell is one ``train_gpt.py --bench`` run in its own process (so compile caches and allocator
 state do not leak between cells): tokens/s over the steps after ``--timing-warmup``, which keeps

@@ -429,7 +429,8 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         print(f"{rc.preset} GPT {raw_model.num_params() / 1e6:.2f}M params, norm={rc.model.norm}, "
               f"{env.device} x{env.world}, {precision}, compile={args.compile}, "
-              f"{len(train_data):,} train bytes, steps {start}->{rc.steps}", flush=True)  # fmt: skip
+              f"{len(train_data):,} train bytes, steps {start}->{rc.steps}",
+              flush=True)  # fmt: skip
 
     log = LossLog(history, rc.steps, tokens_per_step, env)
     watch = Stopwatch(env.device)
