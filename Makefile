@@ -25,7 +25,7 @@ test: setup
 
 # The main job: a short GPT training on the Python standard library's sources.
 demo: setup
-	$(VPY) examples/train_gpt.py --preset tiny --steps 200 --out $(OUT)
+	$(VPY) examples/train_gpt.py --preset tiny --steps 300 --out $(OUT)
 
 # GPU machines: run with the Python that has CUDA torch and triton (no venv, no network needed).
 gpu-test:
