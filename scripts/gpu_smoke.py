@@ -1,7 +1,9 @@
 """Quick GPU correctness smoke: every feature at a few widths, fp32 and bf16, vs the fp64
 reference (max abs error of outputs and grads). Prints one line per case."""
 import sys
+
 import torch
+
 from fused_norm import layer_norm_fn, layer_norm_ref, rms_norm_ref
 
 dev = "cuda"
@@ -11,7 +13,9 @@ for dtype in [torch.float32, torch.bfloat16]:
     for is_rms in [False, True]:
         for N in [1, 7, 300, 1024, 4096, 16384, 40000, 131072]:
             M = max(2, min(64, 2**20 // N))
-            mk = lambda *s: torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
+            def mk(*shape, dtype=dtype):
+                return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_()
+
             x, res, x1 = mk(M, N), mk(M, N), mk(M, N)
             w, b, w1, b1 = mk(N), mk(N), mk(N), mk(N)
             rs = torch.rand(M, device=dev)
@@ -29,6 +33,7 @@ for dtype in [torch.float32, torch.bfloat16]:
             errs = [((a.double()-b_).abs().max() / b_.abs().max().clamp_min(1)).item()
                     for a, b_ in zip([y, y1, r, *g], [yr, y1r, rr, *gr])]
             worst = max(worst, max(errs)) if dtype == torch.float32 else worst
-            print(str(dtype)[6:], "rms" if is_rms else "ln", N, " ".join("%.1e" % e for e in errs), flush=True)
+            print(str(dtype)[6:], "rms" if is_rms else "ln", N, " ".join(f"{e:.1e}" for e in errs),
+                  flush=True)
 print("worst fp32 relative error:", worst)
 sys.exit(0 if worst < 1e-4 else 1)
