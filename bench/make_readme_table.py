@@ -55,11 +55,18 @@ def render(rows, env, dtype="bf16", source=None) -> str:
     bw = [r for r in rows if r.get("kind") == "bw" and r.get("dtype") == dtype]
     Ns = sorted({r["N"] for r in bw})
     where = f" (`{source}`)" if source else ""
+    ceilings = sorted({round(r["copy_gbps"]) for r in bw if r.get("copy_gbps")}) or [
+        round(env.get("copy_gbps", 0))
+    ]
+    if len(ceilings) == 1:
+        copy = f"device-to-device copy ceiling {ceilings[0]} GB/s, measured in the same run"
+    else:  # rows merged from several runs (--append)
+        copy = (f"device-to-device copy ceiling {ceilings[0]}-{ceilings[-1]} GB/s, each row "
+                f"against the copy measured in its own run")  # fmt: skip
     out = [
         f"Measured on {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
         f"{env.get('date', '')[:10]}{where}; {dtype}, M·N = {env.get('elements')} elements; "
-        f"device-to-device copy ceiling {env.get('copy_gbps', 0):.0f} GB/s, measured in the "
-        f"same run. Each cell: fused_norm's bandwidth as % of that copy · its ratio to the "
+        f"{copy}. Each cell: fused_norm's bandwidth as % of that copy · its ratio to the "
         f"fastest peer (torch eager, torch.compile, Liger where it supports the shape); "
         f"✗ marks a missed target (see `results.md` there).",
         "",

@@ -309,6 +309,15 @@ def markdown(rows, env, checks) -> str:
         f"last {_f(env.get('copy_gbps_last'))}). Bandwidth rows use M·N = "
         f"{env.get('elements')} elements."
     )
+    earlier = env.get("earlier_runs") or []
+    if earlier:
+        out.append("")
+        out.append(
+            f"Rows merged from {len(earlier) + 1} runs (`--append`); each row's `% copy` uses the "
+            "copy ceiling of its own run (`copy_gbps` column). Earlier commands: "
+            + "; ".join(f"`{e.get('command')}`" for e in earlier)
+            + "."
+        )
     if env.get("providers_unavailable"):
         out.append(
             "\nProviders not importable: "

@@ -8,6 +8,7 @@ kernels; bench/bench.py measures what users see.
 
 Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
+       [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--fwd-rows 1,8] [--workloads ln,...]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def bytes_per_elem(workload, mode, eb):
     # fwd reads x, residual and writes y, residual_out. bwd reads residual_out, dy,
     # d(residual_out) and writes dx (which is also dresidual without dropout), plus dresidual
     # with dropout (dx differs then).
+    if workload in ("ln", "rms"):  # fwd reads x, writes y; bwd reads x, dy, writes dx
+        return {"fwd": 2 * eb, "bwd": 3 * eb}[mode]
     fwd = 4 * eb
     bwd = 4 * eb if workload == "add_rms" else 5 * eb
     return {"fwd": fwd, "bwd": bwd}[mode]
@@ -58,12 +61,26 @@ def run(workload, n, dtype, device, mode):
     if workload == "add_rms":
         def f():
             return fused_norm.rms_norm_fn(x, w, None, res, prenorm=True)
+    elif workload == "ln":
+        def f():
+            return fused_norm.layer_norm_fn(x, w, b)
+    elif workload == "rms":
+        def f():
+            return fused_norm.rms_norm_fn(x, w, None)
     else:
         def f():
             return fused_norm.layer_norm_fn(x, w, b, res, dropout_p=0.1, prenorm=True)
     if mode == "fwd":
         with torch.no_grad():
             ms = bench(f)
+    elif workload in ("ln", "rms"):
+        rms, bias = workload == "rms", (None if workload == "rms" else b)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        _, _, _, mean, rstd, _, _ = ops.fused_norm_fwd(
+            x, w, bias, None, None, None, None, None, None, None, 1e-6, 0.0, rms, False, dtype,
+            None, False)  # fmt: skip
+        ms = bench(lambda: ops.fused_norm_bwd(dy, x, w, bias, None, None, mean, rstd,
+                                              is_rms_norm=rms, x_dtype=dtype))  # fmt: skip
     else:
         p = 0.0 if workload == "add_rms" else 0.1
         dy = torch.randn(m, n, device=device, dtype=dtype)
@@ -83,6 +100,15 @@ def run(workload, n, dtype, device, mode):
 RNG_VARIANTS = {
     "philox1": """    seed = tl.load(SEEDS + seed_row).to(tl.uint32)
     return tl.rand(seed, col0 + tl.arange(0, BLOCK_N)) > dropout_p
+""",
+    "philox4": """    seed = tl.load(SEEDS + seed_row).to(tl.uint32)
+    quad = col0 // 4 + tl.arange(0, BLOCK_N // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, quad)
+    u = tl.join(
+        tl.join(tl.random.uint_to_uniform_float(r0), tl.random.uint_to_uniform_float(r1)),
+        tl.join(tl.random.uint_to_uniform_float(r2), tl.random.uint_to_uniform_float(r3)),
+    )
+    return tl.reshape(u, (BLOCK_N,)) > dropout_p
 """,
     "none": """    return (tl.arange(0, BLOCK_N) % 10) != 0
 """,
@@ -124,10 +150,12 @@ def main():
     ap.add_argument("--workloads", default="add_rms,drop_add_ln")
     ap.add_argument("--modes", default="fwd,bwd")
     ap.add_argument("--fwd-warps", default="auto")
+    ap.add_argument("--fwd-rows", default="auto", help="rows per forward program (one block)")
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
-    ap.add_argument("--bwd-max-bytes", default=str(config.BWD_MAX_BLOCK_BYTES))
-    ap.add_argument("--bwd-group-bytes", default=str(config.BWD_GROUP_BYTES))
+    ap.add_argument("--bwd-max-bytes", default="auto")
+    ap.add_argument("--bwd-stages", default="auto")
+    ap.add_argument("--bwd-tile-bytes", default=str(config.BWD_TILE_BYTES))
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -144,37 +172,49 @@ def main():
     def ints(v):
         return [None] if v == "auto" else [int(t) for t in v.split(",")]
 
+    orig_stages = config.bwd_row_stages
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
             config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-            config.BWD_GROUP_BYTES)  # fmt: skip
+            config.BWD_TILE_BYTES, config.BWD_ROW_STAGES,
+            config.FWD_ROWS_PER_PROGRAM)  # fmt: skip
     rows = []
     for n, workload, mode in itertools.product(
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
     ):
         if mode == "fwd":
-            variants = [(fw, None, None, None, None) for fw in ints(args.fwd_warps)]
+            variants = [(fw, None, None, None, fr, None) for fw, fr in itertools.product(
+                ints(args.fwd_warps), ints(args.fwd_rows))]
         else:
             variants = list(itertools.product([None], ints(args.bwd_warps),
                                               ints(args.bwd_warps_per_sm),
                                               ints(args.bwd_max_bytes),
-                                              ints(args.bwd_group_bytes)))  # fmt: skip
-        for fw, bw, wps, maxb, gb in variants:
+                                              ints(args.bwd_tile_bytes),
+                                              ints(args.bwd_stages)))  # fmt: skip
+        for fw, bw, wps, maxb, gb, st in variants:
             if fw:
-                config.fwd_num_warps = lambda block_n, _w=fw: _w
+                config.fwd_num_warps = lambda *a, _w=fw: _w
             if bw:
-                config.bwd_num_warps = lambda block_n, _w=bw: _w
+                config.bwd_num_warps = lambda *a, _w=bw: _w
             if wps:
                 config.BWD_WARPS_PER_SM = wps
             if maxb:
                 config.BWD_MAX_BLOCK_BYTES = config.BWD_MAX_BLOCK_BYTES_MULTI = maxb
-            if gb:
-                config.BWD_GROUP_BYTES = gb
             if mode == "fwd":
-                desc = f"warps={config.fwd_num_warps(config.block_config(n, 2)[0])}"
+                config.FWD_ROWS_PER_PROGRAM = gb or config.FWD_ROWS_PER_PROGRAM
+            elif gb:
+                config.BWD_TILE_BYTES = gb
+            if st:
+                config.BWD_ROW_STAGES = st
+                config.bwd_row_stages = lambda *a, _s=st: _s
+            if mode == "fwd":
+                bn, nc = config.block_config(n, 2)
+                desc = (f"warps={config.fwd_num_warps(bn, nc)} "
+                        f"rows={config.fwd_rows_per_program(bn, nc)}")
             else:
-                bn, nc = config.block_config(n, 2, config.BWD_MAX_BLOCK_BYTES)
+                partials = 1 if workload == "add_rms" else 2
+                bn, nc = config.bwd_block_config(n, 2, partials)
                 desc = (f"warps={config.bwd_num_warps(bn)} wps={config.BWD_WARPS_PER_SM} "
-                        f"block={bn}x{nc} group={config.bwd_row_group(n, 2)}")  # fmt: skip
+                        f"block={bn}x{nc} stages={st or 'auto'}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""
@@ -183,7 +223,9 @@ def main():
             finally:
                 (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
                  config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-                 config.BWD_GROUP_BYTES) = orig  # fmt: skip
+                 config.BWD_TILE_BYTES, config.BWD_ROW_STAGES,
+                 config.FWD_ROWS_PER_PROGRAM) = orig  # fmt: skip
+                config.bwd_row_stages = orig_stages
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

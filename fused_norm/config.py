@@ -37,26 +37,46 @@ BWD_WARPS_PER_SM = 32
 def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int, int]:
     """(BLOCK_N, NUM_CHUNKS) for a row of ``n_cols`` elements, ``elem_bytes`` the widest dtype.
 
-    The block is the next power of two (at least 4: dropout draws random numbers four columns at
-    a time), capped at MAX_BLOCK_BYTES; wider rows are processed in NUM_CHUNKS chunks.
+    The block is the next power of two (at least 8: dropout draws random numbers for eight
+    columns at a time), capped at MAX_BLOCK_BYTES; wider rows are processed in NUM_CHUNKS chunks.
     """
-    max_block = max((max_bytes or MAX_BLOCK_BYTES) // elem_bytes, 4)
-    block_n = max(min(triton.next_power_of_2(max(n_cols, 1)), max_block), 4)
+    max_block = max((max_bytes or MAX_BLOCK_BYTES) // elem_bytes, 8)
+    block_n = max(min(triton.next_power_of_2(max(n_cols, 1)), max_block), 8)
     return block_n, triton.cdiv(n_cols, block_n)
 
 
-def fwd_num_warps(block_n: int, num_chunks: int = 1) -> int:
-    """Warps per forward program (one row each).
+def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
+    """Warps per forward program (one row each). ``plain`` is "ln" or "rms" for a norm of x
+    alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer.
 
     Sweeps of 2026-11-22 (H200, bf16; add+RMSNorm and dropout+add+LayerNorm prenorm): 1 warp at
     N=256 (4 warps: -7 points), 4 at 1K (16 warps: 63% of copy vs 99.8%), 8 at 4K-8K (dropout+LN
-    at 8K: 93% vs 80% with 16), 16 at 16K-32K (67% vs 64% with 32), 32 for chunked rows.
+    at 8K: 93% vs 80% with 16), 16 at 16K-32K (dropout+LN at 16K: 74% vs 58% with 8, 70% with
+    32). Chunked rows (64K, 256K): 32 (dropout+LN 64% / 62% vs 57% / 51% with 16; with 8 warps
+    add+RMS gained 2 points at 64K but LayerNorm, RMSNorm and the x1 path lost 5-9). Plain
+    norms: 2 warps at 1K (LayerNorm 93% vs 80% with 4, RMSNorm 100% vs 97%), LayerNorm 4 at 4K
+    (97% vs 85% with 8; RMSNorm keeps 8: 99.7% vs 97%), 16 at 16K for both.
     """
     if num_chunks > 1:
         return 32
-    if block_n <= 1024:
-        return max(block_n // 256, 1)
-    return {2048: 4, 4096: 8, 8192: 8}.get(block_n, 16)
+    warps = max(block_n // 256, 1) if block_n <= 1024 else {2048: 4, 4096: 8, 8192: 8}.get(
+        block_n, 16
+    )
+    if (plain == "ln" and 1024 <= block_n <= 4096) or (plain == "rms" and block_n == 1024):
+        warps //= 2
+    return warps
+
+
+# Rows per forward program for narrow rows (one block of at most 256 columns). Sweep of
+# 2026-11-22 (H200, bf16, N = 256): 8 rows per program 80% of copy vs 41% with one (LayerNorm),
+# 90% vs 79% (dropout + add + LayerNorm); at 1K-4K more rows per program lost 1-14 points, and
+# software-pipelining the row loop (tl.range num_stages=3) lost 10-60 points everywhere.
+FWD_ROWS_PER_PROGRAM = 8
+
+
+def fwd_rows_per_program(block_n: int, num_chunks: int) -> int:
+    """Rows per forward program: FWD_ROWS_PER_PROGRAM for rows of <= 256 columns, else 1."""
+    return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= 256 else 1
 
 
 def bwd_num_warps(block_n: int) -> int:
@@ -65,22 +85,55 @@ def bwd_num_warps(block_n: int) -> int:
     return min(max(block_n // 512, 4), 32)
 
 
-# Wide-row backward: bytes of (s, dy) per program that one row group may span. Groups small
-# enough for their rows to be re-read from L2 (256 KB per program) measured 10-30% slower than
-# one group of all the program's rows at N = 16K..256K (the partials' read-modify-write costs
-# more than the re-read saves), so by default a group is all of them.
-BWD_GROUP_BYTES = 2**40
+# Rows in flight per backward program: its row loop is software-pipelined (``tl.range``
+# num_stages), the loads of the next rows overlapping the current row's maths, where that maths
+# is heavy: dropout masks regenerated, two or more weight gradients on rows of 4K+ columns, or
+# the row split into column blocks. Sweeps of 2026-11-22 (H200, bf16, bench/NOTES.md), 1 -> 3
+# stages: dropout + add + LayerNorm 56 -> 77% of copy at 1K, 70 -> 81% at 4K, 46 -> 57% at 16K;
+# LayerNorm 67 -> 76% at 4K but 79 -> 68% at 1K; add + RMSNorm in one block 93 -> 90% at 4K;
+# add + RMSNorm split at 64K 39 -> 45%.
+BWD_ROW_STAGES = 3
+# Shared memory the pipeline's buffers may take (Hopper allows 227 KB per program).
+BWD_STAGE_BYTES = 200 * 1024
 
 
-def bwd_row_group(n_cols: int, elem_bytes: int) -> int:
-    """Rows per group of the wide-row backward (>= 1); see BWD_GROUP_BYTES."""
-    return max(BWD_GROUP_BYTES // (2 * n_cols * elem_bytes), 1)
+def bwd_row_stages(
+    block_n: int, row_bytes_per_col: int, dropout: bool, num_chunks: int, partials: int
+) -> int:
+    """num_stages of the backward's row loop; ``row_bytes_per_col`` sums the element sizes of
+    the per-row tensors it loads (s, dy, dy1, dresidual_out, x)."""
+    if not (dropout or num_chunks > 1 or (partials >= 2 and block_n >= 4096)):
+        return 1
+    stages = min(BWD_ROW_STAGES, BWD_STAGE_BYTES // (block_n * row_bytes_per_col))
+    return stages if stages >= 2 else 1
 
 
-def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int) -> int:
-    """Size of the backward's persistent grid: BWD_WARPS_PER_SM worth of programs, at most M."""
+# Chunk of the backward's row-sums pre-pass (kernels.py), in bytes of the wider of s and dy, and
+# its warps. Sweeps of 2026-11-22 (H200, bf16): at N = 16K, 2K-column chunks with 8 warps read
+# at 93-101% of copy, one 16K block with 16-32 warps at 67% (LayerNorm); at 64K / 256K, 8K
+# chunks at 86-100%, 32K chunks at 31-46%; software-pipelining this loop lost 10-30 points.
+BWD_SUMS_BLOCK_BYTES = 4096
+BWD_SUMS_WARPS = 8
+
+# Backward rows wider than one block are split into column blocks of at most this many bytes,
+# each its own program (see kernels.py); bench/NOTES.md has the sweep.
+BWD_TILE_BYTES = 16384
+
+
+def bwd_block_config(n_cols: int, elem_bytes: int, partials: int) -> tuple[int, int]:
+    """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors."""
+    cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
+    block_n, num_chunks = block_config(n_cols, elem_bytes, cap)
+    if num_chunks > 1:
+        block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
+    return block_n, num_chunks
+
+
+def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int, num_chunks: int) -> int:
+    """Row blocks of the backward's persistent grid (each has ``num_chunks`` column programs):
+    BWD_WARPS_PER_SM worth of programs in all, at most one row block per row."""
     per_sm = max(BWD_WARPS_PER_SM // num_warps, 1)
-    return max(min(sm_count(device) * per_sm, n_rows), 1)
+    return max(min(sm_count(device) * per_sm // num_chunks, n_rows), 1)
 
 
 @torch.compiler.assume_constant_result

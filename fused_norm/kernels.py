@@ -1,8 +1,9 @@
-"""Triton kernels: one forward and one backward kernel, specialised by constexpr flags.
+"""Triton kernels: one forward and one backward kernel, specialised by constexpr flags, and the
+backward's row-sums pre-pass for rows wider than one block.
 
 Design notes
 ------------
-* Forward, one program per row. The row is read once: every optional input is combined into the
+* Forward, one program per row (eight for rows of <= 256 columns). The row is read once: every optional input is combined into the
   fp32 pre-norm sum ``s`` in registers, ``s`` is stored as the residual stream if asked, the
   statistics are taken from the fp32 ``s`` (two-pass mean/variance over registers, which is as
   accurate as Welford and cheaper), and ``y = xhat * w + b`` is written.
@@ -13,12 +14,14 @@ Design notes
 * Dropout masks are never stored for the backward: each row has an int64 seed, and
   Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
-* Backward, a persistent grid: program ``p`` owns the contiguous rows
-  ``[p * rows_per_program, (p + 1) * rows_per_program)`` and keeps fp32 partial sums of dW/dB in
-  registers, written once to row ``p`` of a ``(num_programs, N)`` buffer that the host sums.
-  No atomics, no locks: the result is bitwise deterministic. Wide rows go in small groups of
-  rows: the row sums c1, c2 first, then chunk by chunk (re-reading the group's rows, still in
-  L2) with that chunk's partials in registers, added to the program's partial rows.
+* Backward, a persistent grid of row blocks: program ``(p, c)`` owns the contiguous rows
+  ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the column block ``c``, keeps fp32
+  partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of a
+  ``(num_row_blocks, N)`` buffer that the host sums. No atomics, no locks: the result is bitwise
+  deterministic. A row that fits one block (``NUM_CHUNKS == 1``) takes its sums c1, c2 in
+  registers; wider rows get them first from ``_bwd_row_sums_kernel`` (one more read of s and dy),
+  so that the column blocks of a row can run on different programs: per-program partials then
+  span BLOCK_N columns, not N, and there are few row blocks however wide the row.
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -42,19 +45,21 @@ import triton.language as tl
 def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr):
     """Dropout keep-decisions of columns ``[col0, col0 + BLOCK_N)`` of one row.
 
-    One Philox call gives four 32-bit numbers, so each call serves four adjacent columns (column
-    ``c`` uses the number ``(c % 4)`` of offset ``c // 4``, in a fixed interleaving): a quarter of
-    the arithmetic of one ``tl.rand`` per column, which otherwise made dropout compute-bound.
-    ``col0`` and BLOCK_N are multiples of 4, so the decision depends on (seed, column) alone.
+    Each decision takes 16 random bits: one Philox4x32-10 call (``tl.randint4x``) gives four
+    32-bit numbers, i.e. eight 16-bit halves, for eight adjacent columns in a fixed interleaving.
+    That is an eighth of the arithmetic of one ``tl.rand`` per column, which made dropout
+    compute-bound. A column is dropped when its 16 bits fall below ``round(p * 2**16)``, so the
+    drop probability is p rounded to a multiple of 2**-16 (off by at most 2**-17 ~ 7.6e-6).
+    ``col0`` and BLOCK_N are multiples of 8, so the decision depends on (seed, column) alone.
     """
     seed = tl.load(SEEDS + seed_row).to(tl.uint32)
-    quad = col0 // 4 + tl.arange(0, BLOCK_N // 4)
-    r0, r1, r2, r3 = tl.randint4x(seed, quad)
-    u = tl.join(
-        tl.join(tl.random.uint_to_uniform_float(r0), tl.random.uint_to_uniform_float(r1)),
-        tl.join(tl.random.uint_to_uniform_float(r2), tl.random.uint_to_uniform_float(r3)),
-    )
-    return tl.reshape(u, (BLOCK_N,)) > dropout_p
+    octet = col0 // 8 + tl.arange(0, BLOCK_N // 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, octet)
+    lo = tl.join(tl.join(r0 & 0xFFFF, r1 & 0xFFFF), tl.join(r2 & 0xFFFF, r3 & 0xFFFF))
+    hi = tl.join(tl.join(r0 >> 16, r1 >> 16), tl.join(r2 >> 16, r3 >> 16))
+    bits = tl.reshape(tl.join(lo, hi), (BLOCK_N,)).to(tl.float32)  # exact: < 2**16
+    # For integer bits, bits + 0.5 > p * 2**16  <=>  bits >= round(p * 2**16) (halves up).
+    return bits + 0.5 > dropout_p * 65536.0
 
 
 @triton.jit
@@ -107,6 +112,47 @@ def _normalize_store(
 
 
 @triton.jit
+def _fwd_row(
+    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+    MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
+    stride_y1_row, stride_res_out_row, M, N, eps, dropout_p,
+    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The forward of one row held whole in registers (NUM_CHUNKS == 1)."""
+    col_mask = cols < N
+    s = _combine_inputs(
+        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+        row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT, STORE_MASK,
+    )  # fmt: skip
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
+        # Normalise the stream as stored (rounded to its dtype): the backward and the
+        # next layer see that tensor; statistics of the unrounded sum would not match.
+        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
+    if IS_RMS_NORM:
+        var = tl.sum(s * s, axis=0) / N
+    else:
+        mean = tl.sum(s, axis=0) / N
+        s = tl.where(col_mask, s - mean, 0.0)
+        var = tl.sum(s * s, axis=0) / N
+        tl.store(MEAN + row, mean)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(RSTD + row, rstd)
+    xhat = s * rstd
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
+                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
 def _fused_norm_fwd_kernel(
     X,             # (M, N) input x
     Y,             # (M, N) output y
@@ -144,37 +190,30 @@ def _fused_norm_fwd_kernel(
     STORE_MASK: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,  # consecutive rows per program (1 for chunked rows)
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
+    row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
     if NUM_CHUNKS == 1:
-        col_mask = cols < N
-        s = _combine_inputs(
-            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
-            row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
-            BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK,
-        )  # fmt: skip
-        if STORE_RESIDUAL_OUT:
-            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
-            # Normalise the stream as stored (rounded to its dtype): the backward and the next
-            # layer see that tensor, and statistics of the unrounded sum would not match it.
-            s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
-        if IS_RMS_NORM:
-            var = tl.sum(s * s, axis=0) / N
-        else:
-            mean = tl.sum(s, axis=0) / N
-            s = tl.where(col_mask, s - mean, 0.0)
-            var = tl.sum(s * s, axis=0) / N
-            tl.store(MEAN + row, mean)
-        rstd = 1.0 / tl.sqrt(var + eps)
-        tl.store(RSTD + row, rstd)
-        xhat = s * rstd
-        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
-                         HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-        if HAS_W1:
-            _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                             HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+        if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used
+            _fwd_row(
+                X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
+                MASK, MASK1, MEAN, RSTD, row0, cols, stride_x_row, stride_y_row, stride_res_row,
+                stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
+                IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
+                HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
+        else:  # narrow rows, several per program
+            for row in range(row0, tl.minimum(row0 + ROWS_PER_PROGRAM, M)):
+                _fwd_row(
+                    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
+                    MASK, MASK1, MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row,
+                    stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
+                    IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
+                    HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
     else:
+        row = row0
         # Sweep 1: form s chunk by chunk, store it, and merge (count, mean, M2) per chunk.
         mean = 0.0
         m2 = 0.0
@@ -294,8 +333,28 @@ def _input_grads(
 
 
 @triton.jit
-def _add_partial(ptr, value, col_mask):
-    tl.store(ptr, tl.load(ptr, mask=col_mask, other=0.0) + value, mask=col_mask)
+def _bwd_row_sums_kernel(
+    S, DY, DY1, W, W1, MEAN, RSTD, C12, stride_s_row, stride_dy_row, stride_dy1_row, N,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """c1 = sum(xhat * wdy) / N and c2 = sum(wdy) / N of one row into C12[row] (wide rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in range(NUM_CHUNKS):
+        ccols = c * BLOCK_N + cols
+        xhat, _dy, _dy1, wdy = _row_grads(
+            S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, ccols < N, stride_s_row, stride_dy_row,
+            stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+        )  # fmt: skip
+        acc1 += xhat * wdy
+        if not IS_RMS_NORM:
+            acc2 += wdy
+    tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
+    if not IS_RMS_NORM:
+        tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
 
 
 @triton.jit
@@ -315,18 +374,17 @@ def _fused_norm_bwd_kernel(
     DX,            # (M, N) grad of x
     DX1,           # (M, N) grad of x1 (if HAS_X1)
     DRESIDUAL,     # (M, N) grad of residual (if STORE_DRESIDUAL)
-    DW_PART,       # (P, N) fp32 partial dW, one row per program
+    DW_PART,       # (P, N) fp32 partial dW, one row per row block
     DB_PART,       # (P, N) fp32 partial dB (if HAS_BIAS)
     DW1_PART,      # (P, N) fp32 partial dW1 (if HAS_W1)
     DB1_PART,      # (P, N) fp32 partial dB1 (if HAS_B1)
     DLS_PART,      # (P, N) fp32 partial d(layerscale) (if HAS_LAYERSCALE)
-    C12,           # (M, 2) fp32 scratch for c1, c2 of each row (if NUM_CHUNKS > 1)
+    C12,           # (M, 2) fp32 c1, c2 of each row from _bwd_row_sums_kernel (if NUM_CHUNKS > 1)
     stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
     stride_dx_row, stride_dx1_row, stride_dres_row,
     M, N,
     dropout_p,
-    rows_per_program,  # contiguous rows owned by each program
-    row_group,     # rows per group of the wide-row path (if NUM_CHUNKS > 1)
+    rows_per_program,  # contiguous rows owned by each row block
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -340,124 +398,64 @@ def _fused_norm_bwd_kernel(
     HAS_LAYERSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
+    # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...).
     pid = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_N
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    cols = tl.arange(0, BLOCK_N)
-    part = pid.to(tl.int64) * N
-    if NUM_CHUNKS == 1:
-        col_mask = cols < N
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for row in range(row_start, row_end):
-            xhat, dy, dy1, wdy = _row_grads(
-                S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row,
-                stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-            )  # fmt: skip
-            dw += dy * xhat
-            if HAS_BIAS:
-                db += dy
-            if HAS_W1:
-                dw1 += dy1 * xhat
-                if HAS_B1:
-                    db1 += dy1
-            rstd = tl.load(RSTD + row)
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            if IS_RMS_NORM:
-                ds = (wdy - xhat * c1) * rstd
-            else:
-                c2 = tl.sum(wdy, axis=0) / N
-                ds = (wdy - (xhat * c1 + c2)) * rstd
-            if HAS_DRESIDUAL_OUT:
-                ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=col_mask,
-                              other=0.0).to(tl.float32)  # fmt: skip
-            dls_row = _input_grads(
-                ds, row, 0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
-                DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
-                dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
-            )  # fmt: skip
-            if HAS_LAYERSCALE:
-                dls += dls_row
-        tl.store(DW_PART + part + cols, dw, mask=col_mask)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    part = pid.to(tl.int64) * N + cols
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
+        xhat, dy, dy1, wdy = _row_grads(
+            S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row,
+            stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+        )  # fmt: skip
+        dw += dy * xhat
         if HAS_BIAS:
-            tl.store(DB_PART + part + cols, db, mask=col_mask)
+            db += dy
         if HAS_W1:
-            tl.store(DW1_PART + part + cols, dw1, mask=col_mask)
+            dw1 += dy1 * xhat
             if HAS_B1:
-                tl.store(DB1_PART + part + cols, db1, mask=col_mask)
+                db1 += dy1
+        # The row sums: from the block when it holds the whole row, else from C12.
+        if NUM_CHUNKS == 1:
+            c1 = tl.sum(xhat * wdy, axis=0) / N
+        else:
+            c1 = tl.load(C12 + 2 * row)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS_NORM:
+            ds = (wdy - xhat * c1) * rstd
+        else:
+            if NUM_CHUNKS == 1:
+                c2 = tl.sum(wdy, axis=0) / N
+            else:
+                c2 = tl.load(C12 + 2 * row + 1)
+            ds = (wdy - (xhat * c1 + c2)) * rstd
+        if HAS_DRESIDUAL_OUT:
+            ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=col_mask,
+                          other=0.0).to(tl.float32)  # fmt: skip
+        dls_row = _input_grads(
+            ds, row, col0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+            DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
+            dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+            HAS_DROPOUT,
+        )  # fmt: skip
         if HAS_LAYERSCALE:
-            tl.store(DLS_PART + part + cols, dls, mask=col_mask)
-    else:
-        # Wide rows, in groups of `row_group` rows. Phase 1 (row by row) takes each row's c1, c2
-        # into the (M, 2) scratch C12; phase 2 goes chunk by chunk over the group's rows, forming
-        # ds, dx with that chunk's dW/dB partials in registers, then adds them to the program's
-        # (zeroed) partial rows. The group is sized on the host so that its rows are still in L2
-        # when phase 2 reads them again (bench/NOTES.md).
-        for g0 in range(row_start, row_end, row_group):
-            g1 = tl.minimum(g0 + row_group, row_end)
-            for row in range(g0, g1):
-                acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for c in range(NUM_CHUNKS):
-                    ccols = c * BLOCK_N + cols
-                    col_mask = ccols < N
-                    xhat, dy, dy1, wdy = _row_grads(
-                        S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
-                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-                    )  # fmt: skip
-                    acc1 += xhat * wdy
-                    acc2 += wdy
-                tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
-                tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
-            tl.debug_barrier()  # phase 1's scratch writes are visible to all threads of phase 2
-            for c in range(NUM_CHUNKS):
-                ccols = c * BLOCK_N + cols
-                col_mask = ccols < N
-                dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for row in range(g0, g1):
-                    xhat, dy, dy1, wdy = _row_grads(
-                        S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, col_mask, stride_s_row,
-                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-                    )  # fmt: skip
-                    dw += dy * xhat
-                    if HAS_BIAS:
-                        db += dy
-                    if HAS_W1:
-                        dw1 += dy1 * xhat
-                        if HAS_B1:
-                            db1 += dy1
-                    rstd = tl.load(RSTD + row)
-                    c1 = tl.load(C12 + 2 * row)
-                    if IS_RMS_NORM:
-                        ds = (wdy - xhat * c1) * rstd
-                    else:
-                        ds = (wdy - (xhat * c1 + tl.load(C12 + 2 * row + 1))) * rstd
-                    if HAS_DRESIDUAL_OUT:
-                        ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + ccols,
-                                      mask=col_mask, other=0.0).to(tl.float32)  # fmt: skip
-                    dls_row = _input_grads(
-                        ds, row, c * BLOCK_N, ccols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE,
-                        SEEDS, DX, DX1, DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row,
-                        stride_dres_row, dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1,
-                        HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
-                    )  # fmt: skip
-                    if HAS_LAYERSCALE:
-                        dls += dls_row
-                # Each thread updates the same columns every time: no race, no barrier needed.
-                _add_partial(DW_PART + part + ccols, dw, col_mask)
-                if HAS_BIAS:
-                    _add_partial(DB_PART + part + ccols, db, col_mask)
-                if HAS_W1:
-                    _add_partial(DW1_PART + part + ccols, dw1, col_mask)
-                    if HAS_B1:
-                        _add_partial(DB1_PART + part + ccols, db1, col_mask)
-                if HAS_LAYERSCALE:
-                    _add_partial(DLS_PART + part + ccols, dls, col_mask)
+            dls += dls_row
+    tl.store(DW_PART + part, dw, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PART + part, db, mask=col_mask)
+    if HAS_W1:
+        tl.store(DW1_PART + part, dw1, mask=col_mask)
+        if HAS_B1:
+            tl.store(DB1_PART + part, db1, mask=col_mask)
+    if HAS_LAYERSCALE:
+        tl.store(DLS_PART + part, dls, mask=col_mask)

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from . import config
-from .kernels import _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
+from .kernels import _bwd_row_sums_kernel, _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
 
 Tensor = torch.Tensor
 
@@ -121,9 +121,12 @@ def _fwd_launch(
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
     block_n, num_chunks = config.block_config(n, elem_bytes)
-    num_warps = config.fwd_num_warps(block_n, num_chunks)
+    plain = x1 is None and residual is None and dropout_p == 0.0
+    num_warps = config.fwd_num_warps(
+        block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
+    rows = config.fwd_rows_per_program(block_n, num_chunks)
     with config.device_guard(x.device):
-        _fused_norm_fwd_kernel[(m,)](
+        _fused_norm_fwd_kernel[(triton.cdiv(m, rows),)](
             x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
             rowscale, layerscale, seeds, mask, mask1, mean, rstd,
             x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
@@ -143,6 +146,7 @@ def _fwd_launch(
             STORE_MASK=mask is not None,
             STORE_RESIDUAL_OUT=residual_out is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
+            ROWS_PER_PROGRAM=rows,
             num_warps=num_warps,
         )  # fmt: skip
 
@@ -202,24 +206,34 @@ def _bwd_launch(
     dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], dw_part: Tensor,
     db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor],
     dls_part: Optional[Tensor], c12: Optional[Tensor], dropout_p: float, is_rms_norm: bool,
-    zero_centered_weight: bool,
+    zero_centered_weight: bool, block_n: int, num_chunks: int,
 ) -> None:  # fmt: skip
     m, n = s.shape
     if m == 0:
         return
     programs = dw_part.shape[0]
+    row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     partials = sum(p is not None for p in (dw_part, db_part, dw1_part, db1_part, dls_part))
-    block_n, num_chunks = _bwd_block_config(n, s, dy, dx, partials)
-    num_warps = config.bwd_num_warps(block_n)
-    rows_per_program = triton.cdiv(m, programs)
     with config.device_guard(s.device):
-        _fused_norm_bwd_kernel[(programs,)](
+        if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
+            sums_block, sums_chunks = config.block_config(
+                n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES)
+            _bwd_row_sums_kernel[(m,)](
+                s, dy, dy1, weight, weight1, mean, rstd, c12,
+                s.stride(0), dy.stride(0), _stride0(dy1), n,
+                BLOCK_N=sums_block,
+                NUM_CHUNKS=sums_chunks,
+                IS_RMS_NORM=is_rms_norm,
+                HAS_W1=weight1 is not None,
+                ZERO_CENTERED_WEIGHT=zero_centered_weight,
+                num_warps=config.BWD_SUMS_WARPS,
+            )  # fmt: skip
+        _fused_norm_bwd_kernel[(programs, num_chunks)](
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
             seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
             s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
             dx.stride(0), _stride0(dx1), _stride0(dresidual),
-            m, n, dropout_p, rows_per_program,
-            min(config.bwd_row_group(n, s.element_size()), rows_per_program),
+            m, n, dropout_p, triton.cdiv(m, programs),
             BLOCK_N=block_n,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
@@ -233,15 +247,10 @@ def _bwd_launch(
             HAS_LAYERSCALE=layerscale is not None,
             HAS_DROPOUT=dropout_p > 0.0,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            num_warps=num_warps,
+            ROW_STAGES=config.bwd_row_stages(
+                block_n, row_bytes, dropout_p > 0.0, num_chunks, partials),
+            num_warps=config.bwd_num_warps(block_n),
         )  # fmt: skip
-
-
-
-def _bwd_block_config(n, s, dy, dx, partials):
-    elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
-    cap = config.BWD_MAX_BLOCK_BYTES if partials <= 1 else config.BWD_MAX_BLOCK_BYTES_MULTI
-    return config.block_config(n, elem_bytes, cap)
 
 
 _bwd_op = torch.library.custom_op(
@@ -278,10 +287,11 @@ def fused_norm_bwd(
     if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
         dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
-    block_n, num_chunks = _bwd_block_config(n, s, dy, dx, partials)
-    programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n))
-    # The wide-row path adds into its partial rows; the one-block path writes them once.
-    alloc = torch.zeros if m == 0 or num_chunks > 1 else torch.empty
+    elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
+    block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
+    programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n), num_chunks)
+    # Every program writes its block of partials once (m == 0 launches nothing).
+    alloc = torch.zeros if m == 0 else torch.empty
 
     def part(present):
         return alloc((programs, n), dtype=torch.float32, device=dev) if present else None
@@ -295,7 +305,7 @@ def fused_norm_bwd(
     launch(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
-        float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
+        float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks,
     )  # fmt: skip
 
     def total(p, ref):

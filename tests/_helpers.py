@@ -368,23 +368,22 @@ def check_case(
 
 class max_block_bytes:
     """Context manager: cap the forward's and the backward's block at ``value`` bytes
-    (``fused_norm.config.MAX_BLOCK_BYTES`` / ``BWD_MAX_BLOCK_BYTES``), forcing the chunked
-    paths, with small row groups in the backward (``BWD_GROUP_BYTES``); None leaves them alone. Restored on exit, also on failure."""
+    (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``),
+    forcing the chunked forward, the backward's column blocks and its row-sums pre-pass; None
+    leaves them alone. Restored on exit, also on failure."""
 
     NAMES = ("MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES_MULTI",
-             "BWD_GROUP_BYTES")
+             "BWD_TILE_BYTES")
 
     def __init__(self, value: Optional[int]):
         self.value = value
 
     def __enter__(self):
         cfg = fused_norm.config
-        self.saved = {k: getattr(cfg, k) for k in self.NAMES if hasattr(cfg, k)}
+        self.saved = {k: getattr(cfg, k) for k in self.NAMES}
         if self.value is not None:
             for k in self.saved:
                 setattr(cfg, k, self.value)
-            # Row groups of the wide-row backward: a few rows for narrow N, one for wider N.
-            cfg.BWD_GROUP_BYTES = 4 * self.value
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():

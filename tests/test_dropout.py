@@ -139,3 +139,16 @@ def test_mask_independent_of_memory_layout(device, backend):
         _, _, mask, _ = _call(x, p=0.3, seed=5)
         results.append(mask)
     assert torch.equal(results[0], results[1]), "the dropout mask depends on x's strides"
+
+
+def test_drop_probability_has_16_bit_resolution(device):
+    """The kernels compare 16 random bits per element with round(p * 2**16) (README): p values
+    in the same 2**-16 step draw the same mask, the next steps another, and p < 2**-17 drops
+    nothing."""
+    x = torch.randn(32, 2048, device=device)
+    half = _call(x, p=0.5)[2]
+    assert torch.equal(half, _call(x, p=0.5 + 2**-18)[2]), "p within one 2**-16 step changed the mask"
+    moved = _call(x, p=0.5 + 2**-12)[2]  # 16 steps: ~16/65536 of the elements flip, ~16 here
+    assert not torch.equal(half, moved), "p 16 steps higher drew the same mask"
+    assert bool((half | ~moved).all()), "raising p must only drop more elements"
+    assert bool(_call(x, p=2**-18)[2].all()), "p below 2**-17 dropped an element"

@@ -63,7 +63,7 @@ def test_gpu_matches_reference(flags, n, dtype):
     """Outputs and every gradient vs the fp64 reference (three-way rule) at real widths.
     Rows wider than config.MAX_BLOCK_BYTES (64 KB: 16K fp32 / 32K 16-bit columns) take the
     forward's chunked path, wider than BWD_MAX_BLOCK_BYTES (32 KB; 16 KB with two or more
-    parameter gradients) the backward's."""
+    parameter gradients) the backward's column blocks with its row-sums pre-pass."""
     check_case(_case(flags, n, dtype), "fn", device="cuda")
 
 
