@@ -10,12 +10,14 @@ functions are called directly, which skips the dispatcher's overhead.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import config
 from .kernels import _bwd_row_sums_kernel, _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
@@ -228,7 +230,11 @@ def _bwd_launch(
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 num_warps=config.BWD_SUMS_WARPS,
             )  # fmt: skip
-        _fused_norm_bwd_kernel[(programs, num_chunks)](
+        stages = config.bwd_row_stages(block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
+        key = (s.device, block_n, row_bytes, partials, dropout_p > 0.0, stages)
+        stages = _STAGES_THAT_FIT.get(key, stages)
+        launch = functools.partial(
+            _fused_norm_bwd_kernel[(programs, num_chunks)],
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
             seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
             s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
@@ -247,10 +253,21 @@ def _bwd_launch(
             HAS_LAYERSCALE=layerscale is not None,
             HAS_DROPOUT=dropout_p > 0.0,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            ROW_STAGES=config.bwd_row_stages(
-                block_n, row_bytes, dropout_p > 0.0, num_chunks, partials),
             num_warps=config.bwd_num_warps(block_n),
         )  # fmt: skip
+        try:
+            launch(ROW_STAGES=stages)
+        except OutOfResources:
+            # The pipeline's buffers did not fit this device's shared memory (config sizes them
+            # from an estimate): run unpipelined, and remember it for this configuration.
+            if stages == 1:
+                raise
+            _STAGES_THAT_FIT[key] = 1
+            launch(ROW_STAGES=1)
+
+
+# (device, BLOCK_N, row bytes, partials, dropout, stages asked) -> stages that compiled.
+_STAGES_THAT_FIT: dict = {}
 
 
 _bwd_op = torch.library.custom_op(

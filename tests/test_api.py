@@ -538,3 +538,43 @@ def test_triton_backend_without_interpreter_raises():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RAISED:" in proc.stdout
+
+
+def test_backward_falls_back_when_pipeline_does_not_fit(monkeypatch):
+    """If the pipelined backward does not fit a device's shared memory (Triton raises
+    OutOfResources while compiling), the launcher reruns it unpipelined, gets the same gradients,
+    and does not try the pipelined variant again for that configuration."""
+    from triton.runtime.errors import OutOfResources
+
+    from fused_norm import ops
+
+    if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
+    real = ops._fused_norm_bwd_kernel
+    refused = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                if kwargs["ROW_STAGES"] > 1:
+                    refused.append(kwargs["ROW_STAGES"])
+                    raise OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*args, **kwargs)
+
+            return run
+
+    x = torch.randn(6, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+
+    def grads():
+        torch.manual_seed(7)
+        y = layer_norm_fn(x, w, None, dropout_p=0.2)  # dropout: a pipelined row loop
+        return torch.autograd.grad(y.sum(), (x, w))
+
+    want = grads()
+    monkeypatch.setattr(ops, "_fused_norm_bwd_kernel", Refusing())
+    monkeypatch.setattr(ops, "_STAGES_THAT_FIT", {})
+    got, again = grads(), grads()
+    assert refused == [3], f"expected one refused pipelined launch, got {refused}"
+    for a, b, c in zip(want, got, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
