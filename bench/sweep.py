@@ -172,11 +172,9 @@ def main():
     def ints(v):
         return [None] if v == "auto" else [int(t) for t in v.split(",")]
 
-    orig_stages = config.bwd_row_stages
-    orig = (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
-            config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-            config.BWD_TILE_BYTES, config.BWD_ROW_STAGES,
-            config.FWD_ROWS_PER_PROGRAM)  # fmt: skip
+    orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
+            config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
+            config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM)  # fmt: skip
     rows = []
     for n, workload, mode in itertools.product(
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
@@ -204,7 +202,6 @@ def main():
             elif gb:
                 config.BWD_TILE_BYTES = gb
             if st:
-                config.BWD_ROW_STAGES = st
                 config.bwd_row_stages = lambda *a, _s=st: _s
             if mode == "fwd":
                 bn, nc = config.block_config(n, 2)
@@ -221,11 +218,10 @@ def main():
             except Exception as e:  # noqa: BLE001 - record and go on
                 ms, gbps, err = float("nan"), float("nan"), repr(e)[:200]
             finally:
-                (config.fwd_num_warps, config.bwd_num_warps, config.BWD_WARPS_PER_SM,
-                 config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-                 config.BWD_TILE_BYTES, config.BWD_ROW_STAGES,
+                (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
+                 config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
+                 config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
                  config.FWD_ROWS_PER_PROGRAM) = orig  # fmt: skip
-                config.bwd_row_stages = orig_stages
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

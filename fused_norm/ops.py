@@ -230,9 +230,8 @@ def _bwd_launch(
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 num_warps=config.BWD_SUMS_WARPS,
             )  # fmt: skip
-        stages = config.bwd_row_stages(block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
-        key = (s.device, block_n, row_bytes, partials, dropout_p > 0.0, stages)
-        stages = _STAGES_THAT_FIT.get(key, stages)
+        key = (s.device, block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
+        stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
         launch = functools.partial(
             _fused_norm_bwd_kernel[(programs, num_chunks)],
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
@@ -266,7 +265,7 @@ def _bwd_launch(
             launch(ROW_STAGES=1)
 
 
-# (device, BLOCK_N, row bytes, partials, dropout, stages asked) -> stages that compiled.
+# (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.
 _STAGES_THAT_FIT: dict = {}
 
 
