@@ -32,42 +32,62 @@ _KERNEL_DEVICE_TYPES = ("cuda", "xpu")
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve ``x``, from ``FUSED_NORM_BACKEND`` (read per call)."""
-    backend = os.environ.get("FUSED_NORM_BACKEND", "auto").strip().lower() or "auto"
+    value = os.environ.get("FUSED_NORM_BACKEND", "")
+    backend = "auto" if value == "" or value == "auto" else _backend(value)
     runnable = x.device.type in _KERNEL_DEVICE_TYPES or KERNELS_INTERPRETED
     if backend == "auto":
         return runnable
     if backend == "torch":
         return False
-    if backend == "triton":
-        if not runnable:
-            raise RuntimeError(
-                f"FUSED_NORM_BACKEND=triton, but the Triton kernels cannot run on {x.device}: "
-                "use a GPU tensor, or set TRITON_INTERPRET=1 before importing fused_norm"
-            )
-        return True
-    raise ValueError(f"FUSED_NORM_BACKEND must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not runnable:
+        raise RuntimeError(
+            f"FUSED_NORM_BACKEND=triton, but the Triton kernels cannot run on {x.device}: "
+            "use a GPU tensor, or set TRITON_INTERPRET=1 before importing fused_norm"
+        )
+    return True
+
+
+def _backend(value: str) -> str:
+    backend = value.strip().lower() or "auto"
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"FUSED_NORM_BACKEND must be 'auto', 'triton' or 'torch', got {value!r}")
+    return backend
 
 
 def _rows(t):
     """(..., N) -> (M, N) with a contiguous last dim (a view when possible)."""
     if t is None:
         return None
-    t = t.reshape(-1, t.shape[-1])
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flat(t):
+    """(..., N) -> (M, N), without looking at strides (torch.compile traces the backward with
+    gradients whose strides it does not know yet)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _shaped(t, shape):
+    """A 2-D result as ``shape`` (itself where that is already its shape)."""
+    return t if t is None or len(shape) == 2 else t.view(shape)
 
 
 class FusedNormFunction(torch.autograd.Function):
     """Forward and backward through the Triton kernels.
 
-    Outputs ``(y, y1, residual_out, mask, mask1)``, each None where absent.
+    Inputs: the tensors, then ``opts = (eps, dropout_p, prenorm, residual_dtype,
+    zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype)`` (one argument: each
+    argument of ``apply`` costs host time). Outputs ``(y, y1, residual_out, mask, mask1)``, each
+    None where absent.
     """
 
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, eps,
-        dropout_p, prenorm, residual_dtype, zero_centered_weight, is_rms_norm,
-        return_dropout_mask, out_dtype, out, residual_out,
-    ):  # fmt: skip
+    def forward(ctx, x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
+                residual_out, opts):  # fmt: skip
+        (eps, dropout_p, prenorm, residual_dtype, zero_centered_weight, is_rms_norm,
+         return_dropout_mask, out_dtype) = opts  # fmt: skip
         shape, n = x.shape, x.shape[-1]
         x2 = _rows(x)
         m = x2.shape[0]
@@ -82,48 +102,64 @@ class FusedNormFunction(torch.autograd.Function):
             residual is None and x1 is None and rowscale is None and layerscale is None
             and dropout_p == 0.0 and residual_dtype == x.dtype
         )  # fmt: skip
-        rowscale1 = rowscale.reshape(-1).contiguous() if rowscale is not None else None
-        # The kernels read parameters with unit stride.
-        weight, bias, weight1, bias1, layerscale = (
-            t.contiguous() if t is not None else None
-            for t in (weight, bias, weight1, bias1, layerscale)
+        if rowscale is not None:
+            rowscale = rowscale.reshape(-1).contiguous()
+        # The kernels read parameters with unit stride (contiguous() is free where they are).
+        weight = weight.contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        if weight1 is not None:
+            weight1 = weight1.contiguous()
+            bias1 = bias1.contiguous() if bias1 is not None else None
+        layerscale = layerscale.contiguous() if layerscale is not None else None
+        dtypes = (
+            x.dtype,
+            residual.dtype if residual is not None else None,
+            x1.dtype if x1 is not None else None,
         )
+        warm_bwd = None
+        if any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+
+            def warm_bwd(y, y1, res_out, mean, rstd):
+                # The backward this forward's first compile will be followed by, with the
+                # outputs standing in for their gradients: compiled meanwhile.
+                ops.fused_norm_bwd(
+                    y, x2 if s_is_x else res_out, weight, bias, weight1, bias1, mean, rstd,
+                    dy1=y1, dresidual_out=res_out if prenorm else None,
+                    x0=x2 if layerscale is not None else None, layerscale=layerscale,
+                    rowscale=rowscale, seeds=seeds, dropout_p=dropout_p, is_rms_norm=is_rms_norm,
+                    zero_centered_weight=zero_centered_weight, x_dtype=dtypes[0],
+                    residual_dtype=dtypes[1], x1_dtype=dtypes[2], warm=True,
+                )  # fmt: skip
+
         y, y1, res_out, mean, rstd, mask, mask1 = ops.fused_norm_fwd(
-            x2, weight, bias, _rows(residual), _rows(x1), weight1, bias1, rowscale1, layerscale,
+            x2, weight, bias, _rows(residual), _rows(x1), weight1, bias1, rowscale, layerscale,
             seeds, eps, dropout_p, is_rms_norm, zero_centered_weight, out_dtype or x.dtype,
             residual_dtype, store_residual_out=prenorm or not s_is_x,
             store_mask=return_dropout_mask,
             y=out.view(-1, n) if out is not None else None,
             residual_out=residual_out.view(-1, n) if residual_out is not None else None,
+            warm_bwd=warm_bwd,
         )  # fmt: skip
         # Save a caller's residual_out buffer itself, not a view of it made here: it is marked
         # dirty below, and autograd refuses views of dirtied tensors made inside forward.
         saved_s = x2 if s_is_x else (residual_out if residual_out is not None else res_out)
         ctx.save_for_backward(
-            saved_s, weight, bias, weight1, bias1, rowscale1, layerscale,
+            saved_s, weight, bias, weight1, bias1, rowscale, layerscale,
             seeds, mean, rstd, x2 if layerscale is not None else None,
         )  # fmt: skip
         ctx.shape = shape
-        ctx.dtypes = (
-            x.dtype,
-            residual.dtype if residual is not None else None,
-            x1.dtype if x1 is not None else None,
-        )
+        ctx.dtypes = dtypes
         ctx.flags = (dropout_p, is_rms_norm, zero_centered_weight, prenorm)
         ctx.set_materialize_grads(False)
-        y = out if out is not None else y.view(shape)
-        dirty = [t for t in (out, residual_out if prenorm else None) if t is not None]
-        if dirty:
-            ctx.mark_dirty(*dirty)
+        if out is not None or (prenorm and residual_out is not None):
+            ctx.mark_dirty(*(t for t in (out, residual_out if prenorm else None) if t is not None))
+        y = out if out is not None else _shaped(y, shape)
         if prenorm:
-            res_out = residual_out if residual_out is not None else res_out.view(shape)
+            res_out = residual_out if residual_out is not None else _shaped(res_out, shape)
         else:
             res_out = None
-        y1 = y1.view(shape) if y1 is not None else None
-        mask = mask.view(shape) if mask is not None else None
-        mask1 = mask1.view(shape) if mask1 is not None else None
         # Bool masks need no mark_non_differentiable: autograd never differentiates bool outputs.
-        return y, y1, res_out, mask, mask1
+        return y, _shaped(y1, shape), res_out, _shaped(mask, shape), _shaped(mask1, shape)
 
     @staticmethod
     def backward(ctx, dy, dy1, dresidual_out, _dmask, _dmask1):
@@ -133,16 +169,15 @@ class FusedNormFunction(torch.autograd.Function):
         dropout_p, is_rms_norm, zero_centered_weight, prenorm = ctx.flags
         x_dtype, residual_dtype, x1_dtype = ctx.dtypes
         shape = ctx.shape
-        s = s.reshape(-1, s.shape[-1])
+        s = _flat(s)
         # Grads of unused outputs arrive as None: zeros for y/y1, "absent" for the stream.
         # (.contiguous() is free for the usual contiguous grads, and keeps strides out of the
         # graph that torch.compile traces for this backward.)
-        n = s.shape[-1]
-        dy = dy.reshape(-1, n).contiguous() if dy is not None else torch.zeros_like(s, dtype=x_dtype)
+        dy = _flat(dy).contiguous() if dy is not None else torch.zeros_like(s, dtype=x_dtype)
         if weight1 is not None:
-            dy1 = dy1.reshape(-1, n).contiguous() if dy1 is not None else torch.zeros_like(dy)
+            dy1 = _flat(dy1).contiguous() if dy1 is not None else torch.zeros_like(dy)
         if prenorm and dresidual_out is not None:
-            dresidual_out = dresidual_out.reshape(-1, n).contiguous()
+            dresidual_out = _flat(dresidual_out).contiguous()
         dx, dw, db, dres, dx1, dw1, db1, dls = ops.fused_norm_bwd(
             dy, s, weight, bias, weight1, bias1, mean, rstd, dy1=dy1,
             dresidual_out=dresidual_out if prenorm else None, x0=x0,
@@ -154,17 +189,12 @@ class FusedNormFunction(torch.autograd.Function):
         # Where dresidual / dx1 equal dx, return the very same tensor object (not a second view
         # of it): autograd then copies before accumulating one of them into a leaf's .grad,
         # instead of letting two .grad fields share storage.
-        dx_full = dx.view(shape)
+        dx_full = _shaped(dx, shape)
 
         def full(t):
-            if t is None:
-                return None
-            return dx_full if t is dx else t.view(shape)
+            return dx_full if t is dx else _shaped(t, shape)
 
-        return (
-            dx_full, dw, db, full(dres), full(dx1), dw1, db1, None, dls,
-            None, None, None, None, None, None, None, None, None, None,
-        )  # fmt: skip
+        return dx_full, dw, db, full(dres), full(dx1), dw1, db1, None, dls, None, None, None
 
 
 def _torch_forward(
@@ -224,11 +254,11 @@ def fused_norm(
         out_dtype, out, residual_out if prenorm else None, residual_dtype, kernel=kernels,
     )  # fmt: skip
     if kernels:
+        opts = (float(eps), float(dropout_p), bool(prenorm), residual_dtype,
+                bool(zero_centered_weight), bool(is_rms_norm), bool(return_dropout_mask), out_dtype)  # fmt: skip
         return FusedNormFunction.apply(
-            x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, float(eps),
-            float(dropout_p), bool(prenorm), residual_dtype, bool(zero_centered_weight),
-            bool(is_rms_norm), bool(return_dropout_mask), out_dtype, out,
-            residual_out if prenorm else None,
+            x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
+            residual_out if prenorm else None, opts,
         )  # fmt: skip
     return _torch_forward(
         x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, eps, dropout_p,

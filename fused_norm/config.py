@@ -11,7 +11,6 @@ import contextlib
 import functools
 
 import torch
-import triton
 
 # Widest row held whole in registers, in bytes of the widest row tensor read. Beyond it the
 # kernels loop over chunks of MAX_BLOCK_BYTES. 64 KB is where register-resident rows stop paying
@@ -34,6 +33,16 @@ FALLBACK_SM_COUNT = 4
 BWD_WARPS_PER_SM = 32
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (plain Python: triton.cdiv is slower to call from host code)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int, int]:
     """(BLOCK_N, NUM_CHUNKS) for a row of ``n_cols`` elements, ``elem_bytes`` the widest dtype.
 
@@ -41,8 +50,8 @@ def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int,
     columns at a time), capped at MAX_BLOCK_BYTES; wider rows are processed in NUM_CHUNKS chunks.
     """
     max_block = max((max_bytes or MAX_BLOCK_BYTES) // elem_bytes, 8)
-    block_n = max(min(triton.next_power_of_2(max(n_cols, 1)), max_block), 8)
-    return block_n, triton.cdiv(n_cols, block_n)
+    block_n = max(min(next_power_of_2(n_cols), max_block), 8)
+    return block_n, cdiv(n_cols, block_n)
 
 
 def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:

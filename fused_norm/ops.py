@@ -10,19 +10,22 @@ functions are called directly, which skips the dispatcher's overhead.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Optional
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from . import config
 from .kernels import _bwd_row_sums_kernel, _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
+from .launch import Launcher, Stand
 
 Tensor = torch.Tensor
+
+_FWD = Launcher(_fused_norm_fwd_kernel)
+_BWD = Launcher(_fused_norm_bwd_kernel)
+_SUMS = Launcher(_bwd_row_sums_kernel)
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TORCH_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -43,10 +46,16 @@ def _check_tensor(name, t, shape, device, dtypes, optional=True):
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have a floating dtype in ({names}), got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; put all tensors on one device")
+
+
+def _is_real(v) -> bool:
+    """A real number that is not a bool (floats and ints first: the ABC check is slow)."""
+    t = type(v)
+    return t is float or t is int or (t is not bool and isinstance(v, numbers.Real))
 
 
 def check_args(
@@ -74,11 +83,11 @@ def check_args(
         raise ValueError("bias1 was given without weight1")
     _check_tensor("rowscale", rowscale, x.shape[:-1], dev, dtypes)
     _check_tensor("layerscale", layerscale, (n,), dev, dtypes)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+    if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    if not _is_real(eps):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not (0.0 <= eps < math.inf):  # also false for NaN
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
@@ -118,6 +127,18 @@ def _fwd_launch(
     rstd: Tensor, mask: Optional[Tensor], mask1: Optional[Tensor],
     eps: float, dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
 ) -> None:  # fmt: skip
+    """The forward launch (the body of the ``fused_norm::fwd`` custom op)."""
+    _fwd_run(
+        x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, y, y1,
+        residual_out, mean, rstd, mask, mask1, eps, dropout_p, is_rms_norm, zero_centered_weight,
+    )  # fmt: skip
+
+
+def _fwd_run(
+    x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, y, y1,
+    residual_out, mean, rstd, mask, mask1, eps, dropout_p, is_rms_norm, zero_centered_weight,
+    on_miss=None,
+):  # fmt: skip
     m, n = x.shape
     if m == 0:
         return
@@ -127,13 +148,13 @@ def _fwd_launch(
     num_warps = config.fwd_num_warps(
         block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
     rows = config.fwd_rows_per_program(block_n, num_chunks)
-    with config.device_guard(x.device):
-        _fused_norm_fwd_kernel[(triton.cdiv(m, rows),)](
-            x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
-            rowscale, layerscale, seeds, mask, mask1, mean, rstd,
-            x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
-            _stride0(residual_out),
-            m, n, eps, dropout_p,
+    _FWD(
+        (config.cdiv(m, rows),), x.device,
+        (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
+         rowscale, layerscale, seeds, mask, mask1, mean, rstd,
+         x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
+         _stride0(residual_out), m, n, eps, dropout_p),
+        dict(
             BLOCK_N=block_n,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
@@ -149,8 +170,10 @@ def _fwd_launch(
             STORE_RESIDUAL_OUT=residual_out is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
             ROWS_PER_PROGRAM=rows,
-            num_warps=num_warps,
-        )  # fmt: skip
+        ),
+        num_warps,
+        on_miss=on_miss,
+    )  # fmt: skip
 
 
 _fwd_op = torch.library.custom_op(
@@ -164,12 +187,14 @@ _fwd_op.register_fake(lambda *args, **kwargs: None)
 def fused_norm_fwd(
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, eps, dropout_p,
     is_rms_norm, zero_centered_weight, out_dtype, residual_dtype, store_residual_out,
-    store_mask=False, y=None, residual_out=None,
+    store_mask=False, y=None, residual_out=None, warm_bwd=None,
 ):  # fmt: skip
     """Run the forward on 2-D ``(M, N)`` tensors (last dim contiguous).
 
     Returns ``(y, y1, residual_out, mean, rstd, mask, mask1)``; absent parts are None.
-    ``y`` / ``residual_out`` are written in place when given.
+    ``y`` / ``residual_out`` are written in place when given. ``warm_bwd(y, y1, residual_out,
+    mean, rstd)`` is called if this configuration's forward has not been launched before, just
+    before it compiles, so that the backward can compile meanwhile (see fused_norm_bwd).
     """
     m, n = x.shape
     dev = x.device
@@ -187,12 +212,19 @@ def fused_norm_fwd(
         mask = torch.empty((m, n), dtype=torch.bool, device=dev)
         if x1 is not None:
             mask1 = torch.empty((m, n), dtype=torch.bool, device=dev)
-    launch = _fwd_op if torch.compiler.is_compiling() else _fwd_launch
-    launch(
+    args = (
         x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds,
         y, y1, residual_out, mean, rstd, mask, mask1,
         float(eps), float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
     )  # fmt: skip
+    if torch.compiler.is_compiling():
+        _fwd_op(*args)
+    else:
+        on_miss = None
+        if warm_bwd is not None:
+            def on_miss():
+                warm_bwd(y, y1, residual_out, mean, rstd)
+        _fwd_run(*args, on_miss=on_miss)
     return y, y1, residual_out, mean, rstd, mask, mask1
 
 
@@ -210,59 +242,81 @@ def _bwd_launch(
     dls_part: Optional[Tensor], c12: Optional[Tensor], dropout_p: float, is_rms_norm: bool,
     zero_centered_weight: bool, block_n: int, num_chunks: int,
 ) -> None:  # fmt: skip
+    """The backward launches (the body of the ``fused_norm::bwd`` custom op)."""
+    _bwd_run(
+        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
+        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
+        is_rms_norm, zero_centered_weight, block_n, num_chunks,
+    )  # fmt: skip
+
+
+def _bwd_run(
+    s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
+    dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
+    is_rms_norm, zero_centered_weight, block_n, num_chunks, warm=False,
+):  # fmt: skip
+    """Launch the backward, or with ``warm`` only start compiling its kernels (outputs may then
+    be :class:`~fused_norm.launch.Stand`-ins)."""
     m, n = s.shape
     if m == 0:
         return
     programs = dw_part.shape[0]
     row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     partials = sum(p is not None for p in (dw_part, db_part, dw1_part, db1_part, dls_part))
-    with config.device_guard(s.device):
-        if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
-            sums_block, sums_chunks = config.block_config(
-                n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES)
-            _bwd_row_sums_kernel[(m,)](
-                s, dy, dy1, weight, weight1, mean, rstd, c12,
-                s.stride(0), dy.stride(0), _stride0(dy1), n,
+    dev = s.device
+    if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
+        sums_block, sums_chunks = config.block_config(
+            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES)
+        (_SUMS.warm if warm else _SUMS)(
+            (m,), dev,
+            (s, dy, dy1, weight, weight1, mean, rstd, c12, s.stride(0), dy.stride(0),
+             _stride0(dy1), n),
+            dict(
                 BLOCK_N=sums_block,
                 NUM_CHUNKS=sums_chunks,
                 IS_RMS_NORM=is_rms_norm,
                 HAS_W1=weight1 is not None,
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
-                num_warps=config.BWD_SUMS_WARPS,
-            )  # fmt: skip
-        key = (s.device, block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
-        stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
-        launch = functools.partial(
-            _fused_norm_bwd_kernel[(programs, num_chunks)],
-            s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-            seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
-            s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
-            dx.stride(0), _stride0(dx1), _stride0(dresidual),
-            m, n, dropout_p, triton.cdiv(m, programs),
-            BLOCK_N=block_n,
-            NUM_CHUNKS=num_chunks,
-            IS_RMS_NORM=is_rms_norm,
-            HAS_BIAS=db_part is not None,
-            HAS_W1=weight1 is not None,
-            HAS_B1=db1_part is not None,
-            HAS_X1=dx1 is not None,
-            HAS_DRESIDUAL_OUT=dresidual_out is not None,
-            STORE_DRESIDUAL=dresidual is not None,
-            HAS_ROWSCALE=rowscale is not None,
-            HAS_LAYERSCALE=layerscale is not None,
-            HAS_DROPOUT=dropout_p > 0.0,
-            ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            num_warps=config.bwd_num_warps(block_n),
+            ),
+            config.BWD_SUMS_WARPS,
         )  # fmt: skip
-        try:
-            launch(ROW_STAGES=stages)
-        except OutOfResources:
-            # The pipeline's buffers did not fit this device's shared memory (config sizes them
-            # from an estimate): run unpipelined, and remember it for this configuration.
-            if stages == 1:
-                raise
-            _STAGES_THAT_FIT[key] = 1
-            launch(ROW_STAGES=1)
+    key = (dev, block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
+    stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
+    args = (
+        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+        seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
+        s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
+        dx.stride(0), _stride0(dx1), _stride0(dresidual),
+        m, n, dropout_p, config.cdiv(m, programs),
+    )  # fmt: skip
+    flags = dict(
+        BLOCK_N=block_n,
+        NUM_CHUNKS=num_chunks,
+        IS_RMS_NORM=is_rms_norm,
+        HAS_BIAS=db_part is not None,
+        HAS_W1=weight1 is not None,
+        HAS_B1=db1_part is not None,
+        HAS_X1=dx1 is not None,
+        HAS_DRESIDUAL_OUT=dresidual_out is not None,
+        STORE_DRESIDUAL=dresidual is not None,
+        HAS_ROWSCALE=rowscale is not None,
+        HAS_LAYERSCALE=layerscale is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        ZERO_CENTERED_WEIGHT=zero_centered_weight,
+    )
+    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n)
+    if warm:
+        _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps)
+        return
+    try:
+        _BWD(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps)
+    except OutOfResources:
+        # The pipeline's buffers did not fit this device's shared memory (config sizes them
+        # from an estimate): run unpipelined, and remember it for this configuration.
+        if stages == 1:
+            raise
+        _STAGES_THAT_FIT[key] = 1
+        _BWD(grid, dev, args, {**flags, "ROW_STAGES": 1}, warps)
 
 
 # (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.
@@ -281,7 +335,7 @@ _bwd_op.register_fake(lambda *args, **kwargs: None)
 def fused_norm_bwd(
     dy, s, weight, bias, weight1, bias1, mean, rstd, dy1=None, dresidual_out=None,
     x0=None, layerscale=None, rowscale=None, seeds=None, dropout_p=0.0, is_rms_norm=False,
-    zero_centered_weight=False, x_dtype=None, residual_dtype=None, x1_dtype=None,
+    zero_centered_weight=False, x_dtype=None, residual_dtype=None, x1_dtype=None, warm=False,
 ):  # fmt: skip
     """Run the backward on 2-D tensors.
 
@@ -289,40 +343,57 @@ def fused_norm_bwd(
     the dtypes of the residual / x1 inputs, None where absent.
     Returns ``(dx, dw, db, dresidual, dx1, dw1, db1, dlayerscale)``; absent parts are None.
     ``dresidual`` (and ``dx1``) is ``dx`` itself where the two are equal.
+
+    ``warm=True`` allocates and launches nothing and returns None: it starts compiling, in a
+    background thread, the kernels that a backward with arguments like these will launch. The
+    forward asks for it before its own first compile, with its outputs standing in for their
+    gradients (same dtypes and shapes), so that the two compiles overlap.
     """
     m, n = s.shape
     dev = s.device
     x_dtype = x_dtype or s.dtype
-    dx = torch.empty((m, n), dtype=x_dtype, device=dev)
+
+    def empty(shape, dtype):
+        return Stand(dtype, shape) if warm else torch.empty(shape, dtype=dtype, device=dev)
+
+    dx = empty((m, n), x_dtype)
     # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
     dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
     dresidual = None
     if residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype):
-        dresidual = torch.empty((m, n), dtype=residual_dtype, device=dev)
+        dresidual = empty((m, n), residual_dtype)
     dx1 = None
     if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
-        dx1 = torch.empty((m, n), dtype=x1_dtype, device=dev)
+        dx1 = empty((m, n), x1_dtype)
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
     programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n), num_chunks)
-    # Every program writes its block of partials once (m == 0 launches nothing).
-    alloc = torch.zeros if m == 0 else torch.empty
 
     def part(present):
-        return alloc((programs, n), dtype=torch.float32, device=dev) if present else None
+        if not present:
+            return None
+        if m == 0:  # nothing launches: the partials must already hold the (zero) sums
+            return torch.zeros((programs, n), dtype=torch.float32, device=dev)
+        return empty((programs, n), torch.float32)  # every program writes its block once
 
-    c12 = torch.empty((m, 2), dtype=torch.float32, device=dev) if num_chunks > 1 else None
-
+    c12 = empty((m, 2), torch.float32) if num_chunks > 1 else None
     dw_part, db_part = part(True), part(bias is not None)
     dw1_part, db1_part = part(weight1 is not None), part(bias1 is not None)
     dls_part = part(layerscale is not None)
-    launch = _bwd_op if torch.compiler.is_compiling() else _bwd_launch
-    launch(
+    args = (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
         float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks,
     )  # fmt: skip
+    if warm:
+        if m > 0:
+            _bwd_run(*args, warm=True)
+        return None
+    if torch.compiler.is_compiling():
+        _bwd_op(*args)
+    else:
+        _bwd_run(*args)
 
     def total(p, ref):
         return p.sum(0).to(ref.dtype) if p is not None else None

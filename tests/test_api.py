@@ -550,7 +550,7 @@ def test_backward_falls_back_when_pipeline_does_not_fit(monkeypatch):
 
     if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
         pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
-    real = ops._fused_norm_bwd_kernel
+    real = ops._BWD.kernel
     refused = []
 
     class Refusing:
@@ -572,7 +572,8 @@ def test_backward_falls_back_when_pipeline_does_not_fit(monkeypatch):
         return torch.autograd.grad(y.sum(), (x, w))
 
     want = grads()
-    monkeypatch.setattr(ops, "_fused_norm_bwd_kernel", Refusing())
+    monkeypatch.setattr(ops._BWD, "kernel", Refusing())
+    monkeypatch.setattr(ops._BWD, "cache", {})  # GPU: forget the pipelined kernel used above
     monkeypatch.setattr(ops, "_STAGES_THAT_FIT", {})
     got, again = grads(), grads()
     assert refused == [3], f"expected one refused pipelined launch, got {refused}"

@@ -1,0 +1,173 @@
+"""Kernel launches with less host time than ``kernel[grid](...)``.
+
+Triton's JIT launch binds and specialises every argument on each call before it finds the
+compiled kernel in its cache: about 20 µs of host time per launch on the device VMs' CPUs
+(H200 hosts, triton 3.6), against ~5 µs for calling the compiled kernel's launcher directly.
+With two or three launches per forward + backward that decided whether small batches (a few
+rows, where the GPU work takes microseconds) ran at Python speed or faster.
+
+:class:`Launcher` keeps, per kernel, the compiled kernels Triton returned, keyed by everything
+Triton specialises a compiled kernel on: the constexpr values, launch options, the device, and
+per argument its kind, dtype, 16-byte alignment (pointers) or value class (integers: equal to
+1, divisible by 16, 32-bit range). The key is at least as fine as Triton's own (a CPU test checks
+that against Triton's specialiser), so a hit reuses exactly the kernel Triton would have chosen.
+A miss, or anything unusual (the interpreter, a launch hook such as a profiler's, TRITON_DEBUG,
+a Triton outside the versions whose launcher convention was checked), goes through the ordinary
+``kernel[grid](...)``, which also compiles. ``FUSED_NORM_FAST_LAUNCH=0`` (read at import) turns
+the direct path off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+from .config import device_guard
+
+# Triton versions whose CompiledKernel.run convention (grid, stream, function, packed metadata,
+# launch metadata, enter/exit hooks, then every parameter in order) was read in their source.
+_CHECKED_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
+
+
+def _version() -> tuple:
+    try:
+        return tuple(int(v) for v in triton.__version__.split(".")[:2])
+    except ValueError:
+        return ()
+
+
+FAST_LAUNCH = (
+    os.environ.get("FUSED_NORM_FAST_LAUNCH", "1").strip() != "0" and _version() in _CHECKED_VERSIONS
+)
+
+
+def arg_key(args) -> tuple:
+    """What Triton specialises a compiled kernel on, per runtime argument (finer where cheap)."""
+    key = []
+    for a in args:
+        if a is None:
+            key.append(None)
+        elif type(a) is int:
+            # Triton: == 1 becomes a constant, % 16 == 0 a divisibility hint, range the type.
+            key.append((a == 1, a & 15, a >> 31))
+        elif type(a) is float:
+            key.append("f")  # not 0.0: that would equal the key False of a bool
+        elif type(a) is bool:
+            key.append(("b", a))
+        else:  # a tensor: its dtype and whether the pointer is 16-byte aligned
+            key.append((a.dtype, a.data_ptr() & 15))
+    return tuple(key)
+
+
+class Stand:
+    """A tensor stand-in for compiling ahead of a launch: what Triton specialises a kernel on
+    (dtype; a pointer taken as 16-byte aligned, as fresh allocations are), and a shape."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple):
+        self.dtype, self.shape = dtype, tuple(shape)
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def stride(self, dim: int) -> int:
+        # Only row strides (dim 0) of contiguous 2-D tensors are asked for.
+        return self.shape[-1] if dim == 0 and len(self.shape) == 2 else 1
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+_WARM_POOL = None
+_WARM_LOCK = threading.Lock()
+
+
+def _warm_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _WARM_POOL
+    with _WARM_LOCK:
+        if _WARM_POOL is None:
+            _WARM_POOL = concurrent.futures.ThreadPoolExecutor(1, "fused_norm-warm")
+        return _WARM_POOL
+
+
+class Launcher:
+    """``launcher(grid, device, args, constexprs, num_warps, num_stages)`` launches ``kernel``.
+
+    ``args`` are the kernel's runtime parameters in order, ``constexprs`` a dict of the
+    constexpr parameters in their order (they follow the runtime ones in our kernels).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = getattr(kernel, "params", None)
+        self.fast = FAST_LAUNCH and params is not None and hasattr(kernel, "device_caches")
+        self.constexpr_names = [p.name for p in params if p.is_constexpr] if params else []
+        self.cache: dict = {}
+        self.pending: dict = {}  # key -> future of a compile started by warm()
+
+    def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None):
+        """Launch; ``on_miss`` is called first when this configuration has not been launched
+        yet (it will compile), e.g. to start compiling the backward meanwhile."""
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        if not (self.fast and device.type == "cuda"):
+            return self._jit(grid, device, args, constexprs, options)
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_) or knobs.runtime.debug:
+            return self._jit(grid, device, args, constexprs, options)
+        values = tuple(constexprs.values())
+        key = (device.index, num_warps, num_stages, values, arg_key(args))
+        hit = self.cache.get(key)
+        if hit is None:
+            if on_miss is not None:
+                on_miss()
+            pending = self.pending.pop(key, None)
+            if pending is not None:
+                pending.result()  # a compile of this very kernel is under way: wait for it
+            compiled = self._jit(grid, device, args, constexprs, options)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile
+            if list(constexprs) != self.constexpr_names:
+                raise AssertionError(f"constexprs out of order: {list(constexprs)}")
+            hit = (compiled.run, compiled.function, compiled.packed_metadata)
+            self.cache[key] = hit
+            return
+        run, function, metadata = hit
+        g = tuple(grid) + (1, 1)
+        current = driver.active.get_current_device()
+        if device.index == current:
+            stream = driver.active.get_current_stream(current)
+            run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *values)
+        else:
+            with torch.cuda.device(device):
+                stream = driver.active.get_current_stream(device.index)
+                run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *values)
+
+    def warm(self, grid, device, args, constexprs, num_warps, num_stages=None):
+        """Start compiling, in a background thread, the kernel that a launch with these
+        arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
+        if not (self.fast and device.type == "cuda"):
+            return
+        key = (device.index, num_warps, num_stages, tuple(constexprs.values()), arg_key(args))
+        if key in self.cache or key in self.pending:
+            return
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        self.pending[key] = _warm_pool().submit(self._warm, grid, device, args, constexprs, options)
+
+    def _warm(self, grid, device, args, constexprs, options):
+        try:
+            with device_guard(device):
+                self.kernel.warmup(*args, grid=grid, **constexprs, **options)
+        except Exception:  # noqa: BLE001 - the launch itself compiles again and reports it
+            pass
+
+    def _jit(self, grid, device, args, constexprs, options):
+        with device_guard(device):
+            return self.kernel[grid](*args, **constexprs, **options)

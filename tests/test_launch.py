@@ -1,0 +1,140 @@
+"""The direct launch path (fused_norm/launch.py).
+
+It reuses a compiled kernel for every call whose key matches, so the key must separate every
+pair of calls that Triton itself would compile differently: checked here against Triton's own
+argument specialiser (CPU), and on the GPU by comparing the direct path with ``kernel[grid]``
+on inputs that change the specialisation (misaligned pointers, a single row).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fused_norm
+from fused_norm import launch, ops
+
+try:
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+except ImportError:  # another Triton layout: the direct path is then off (launch.FAST_LAUNCH)
+    native_specialize_impl = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool)
+_BUF = {d: torch.zeros(64, dtype=d) for d in DTYPES}
+
+# Integers around every boundary Triton cares about (1, multiples of 16, the i32/i64/u64 ranges).
+_EDGES = [0, 1, 2, 15, 16, 17, 48, 4096, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+          2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]  # fmt: skip
+ints = st.one_of(st.sampled_from(_EDGES), st.integers(0, 2**64 - 1), st.integers(-(2**40), -1))
+tensors = st.builds(lambda d, off: _BUF[d][off:], st.sampled_from(DTYPES), st.integers(0, 31))
+args = st.one_of(ints, tensors, st.floats(allow_nan=False), st.none(), st.booleans())
+
+
+def _triton_spec(a):
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+@pytest.mark.skipif(native_specialize_impl is None, reason="Triton's specialiser not importable")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(args, min_size=2, max_size=40))
+def test_key_at_least_as_fine_as_tritons(values):
+    """Arguments with one launch key also have one Triton specialisation (type and hints)."""
+    seen = {}
+    for a in values:
+        key = launch.arg_key([a])
+        spec = _triton_spec(a)
+        if key in seen:
+            assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key}"
+        else:
+            seen[key] = (a, spec)
+
+
+def test_key_separates_alignment_and_unit_values():
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert launch.arg_key([x]) != launch.arg_key([x[1:]])  # 2 bytes off 16-byte alignment
+    assert launch.arg_key([x]) == launch.arg_key([x[8:]])  # 16 bytes on: same
+    assert launch.arg_key([1]) != launch.arg_key([17]) == launch.arg_key([33])
+    assert launch.arg_key([16]) != launch.arg_key([2**31 + 16])
+
+
+def _step(x, w, b, res, dy):
+    y, r = fused_norm.layer_norm_fn(x, w, b, residual=res, prenorm=True, dropout_p=0.1)
+    return (y, r) + torch.autograd.grad((y, r), (x, w, b, res), (dy, dy))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 37])
+def test_direct_launch_equals_jit_launch(monkeypatch, rows):
+    """Outputs and gradients bitwise equal through the direct path (second and later calls)
+    and through ``kernel[grid]``, also on misaligned inputs, which need their own kernel."""
+    n = 1000
+    torch.manual_seed(0)
+    buf = torch.randn(rows * n + 1, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(n, device=DEVICE, requires_grad=True)
+    b = torch.randn(n, device=DEVICE, requires_grad=True)
+    dy = torch.randn(rows, n, device=DEVICE, dtype=torch.bfloat16)
+    results = {}
+    for name, x0 in (("aligned", buf[:-1]), ("misaligned", buf[1:])):
+        x = x0.view(rows, n).detach().requires_grad_()
+        res = (x0.view(rows, n) * 0.5).detach().requires_grad_()
+        for fast in (True, False):
+            outs = []
+            for _ in range(3):  # the first call of a key goes through kernel[grid] anyway
+                with monkeypatch.context() as mp:
+                    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+                        mp.setattr(lau, "fast", fast and lau.fast)
+                    torch.manual_seed(1)
+                    outs.append(_step(x, w, b, res, dy))
+            results[name, fast] = outs
+    if not ops._FWD.fast:
+        pytest.skip("the direct launch path is off here (FUSED_NORM_FAST_LAUNCH or Triton)")
+    for name in ("aligned", "misaligned"):
+        ref = results[name, False][0]
+        for outs in results[name, True] + results[name, False]:
+            for a, b_ in zip(ref, outs):
+                assert torch.equal(a, b_), name
+    keys = [k for k in ops._FWD.cache if k[3][0] == 1024]
+    aligned = {k[4][0][1] for k in keys}  # X's alignment residue
+    assert {0, 2} <= aligned, "the misaligned x did not get its own compiled kernel"
+
+
+@pytest.mark.gpu
+def test_backward_compiles_during_first_forward(monkeypatch):
+    """The first forward of a configuration starts compiling its backward in the background
+    (with the outputs standing in for their gradients); the backward then launches exactly
+    that kernel, and its gradients equal those of a run without the warm-up."""
+    if not ops._FWD.fast:
+        pytest.skip("the direct launch path is off here (FUSED_NORM_FAST_LAUNCH or Triton)")
+    n, rows = 3000, 19  # a width no other test uses
+    torch.manual_seed(0)
+    x = torch.randn(rows, n, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    res = torch.randn(rows, n, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(n, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    dy = torch.randn(rows, n, device=DEVICE, dtype=torch.float16)
+    dres = torch.randn(rows, n, device=DEVICE, dtype=torch.float32)
+
+    def run():
+        y, r = fused_norm.rms_norm_fn(x, w, None, residual=res, prenorm=True, dropout_p=0.2,
+                                      zero_centered_weight=True)  # fmt: skip
+        return (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
+
+    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+        monkeypatch.setattr(lau, "cache", {})
+        monkeypatch.setattr(lau, "pending", {})
+    torch.manual_seed(1)
+    y, r = fused_norm.rms_norm_fn(x, w, None, residual=res, prenorm=True, dropout_p=0.2,
+                                  zero_centered_weight=True)  # fmt: skip
+    assert len(ops._BWD.pending) == 1, "the first forward did not start the backward's compile"
+    got = (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
+    assert not ops._BWD.pending, "the backward launched a kernel other than the one warmed up"
+    assert len(ops._BWD.cache) == 1
+    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+        monkeypatch.setattr(lau, "fast", False)
+    torch.manual_seed(1)
+    want = run()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
