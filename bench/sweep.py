@@ -18,15 +18,18 @@ import csv
 import itertools
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-import fused_norm
-from fused_norm import config, ops
-from fused_norm.launch import Launcher
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fused_norm
+import fused_norm  # noqa: E402
+from fused_norm import config, ops  # noqa: E402
+from fused_norm.launch import Launcher  # noqa: E402
 
 ELEMS = 128 * 2**20  # M * N per problem: 256 MB per bf16 tensor, several times the L2
 
@@ -48,6 +51,8 @@ def bytes_per_elem(workload, mode, eb):
     # with dropout (dx differs then).
     if workload in ("ln", "rms"):  # fwd reads x, writes y; bwd reads x, dy, writes dx
         return {"fwd": 2 * eb, "bwd": 3 * eb}[mode]
+    if workload == "parallel":  # fwd: x, x1, residual -> y, y1, residual_out; bwd: s, dy,
+        return {"fwd": 6 * eb, "bwd": 5 * eb}[mode]  # dy1, d(residual_out) -> dx (= dx1, dres)
     fwd = 4 * eb
     bwd = 4 * eb if workload == "add_rms" else 5 * eb
     return {"fwd": fwd, "bwd": bwd}[mode]
@@ -68,12 +73,27 @@ def run(workload, n, dtype, device, mode):
     elif workload == "rms":
         def f():
             return fused_norm.rms_norm_fn(x, w, None)
+    elif workload == "parallel":
+        x1 = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+        w1, b1 = torch.randn_like(w), torch.randn_like(b)
+
+        def f():
+            return fused_norm.layer_norm_fn(x, w, b, res, x1=x1, weight1=w1, bias1=b1,
+                                            prenorm=True)  # fmt: skip
     else:
         def f():
             return fused_norm.layer_norm_fn(x, w, b, res, dropout_p=0.1, prenorm=True)
     if mode == "fwd":
         with torch.no_grad():
             ms = bench(f)
+    elif workload == "parallel":
+        dy, dy1, dr = (torch.randn(m, n, device=device, dtype=dtype) for _ in range(3))
+        _, _, s, mean, rstd, _, _ = ops.fused_norm_fwd(
+            x, w, b, res, x1, w1, b1, None, None, None, 1e-6, 0.0, False, False, dtype, dtype,
+            True)  # fmt: skip
+        ms = bench(lambda: ops.fused_norm_bwd(
+            dy, s, w, b, w1, b1, mean, rstd, dy1=dy1, dresidual_out=dr, x_dtype=dtype,
+            residual_dtype=dtype, x1_dtype=dtype))  # fmt: skip
     elif workload in ("ln", "rms"):
         rms, bias = workload == "rms", (None if workload == "rms" else b)
         dy = torch.randn(m, n, device=device, dtype=dtype)
@@ -171,7 +191,7 @@ def main():
     print(json.dumps(env))
 
     def ints(v):
-        return [None] if v == "auto" else [int(t) for t in v.split(",")]
+        return [None if t == "auto" else int(t) for t in v.split(",")]
 
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
             config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
@@ -206,12 +226,13 @@ def main():
                 config.bwd_row_stages = lambda *a, _s=st: _s
             if mode == "fwd":
                 bn, nc = config.block_config(n, 2)
-                desc = (f"warps={config.fwd_num_warps(bn, nc)} "
+                plain = workload if workload in ("ln", "rms") else ""
+                desc = (f"warps={config.fwd_num_warps(bn, nc, plain)} "
                         f"rows={config.fwd_rows_per_program(bn, nc)}")
             else:
-                partials = 1 if workload == "add_rms" else 2
+                partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
-                desc = (f"warps={config.bwd_num_warps(bn)} wps={config.BWD_WARPS_PER_SM} "
+                desc = (f"warps={config.bwd_num_warps(bn, partials)} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)

@@ -88,9 +88,14 @@ def fwd_rows_per_program(block_n: int, num_chunks: int) -> int:
     return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= 256 else 1
 
 
-def bwd_num_warps(block_n: int) -> int:
-    """Warps per backward program. Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at
-    16K (91%; LayerNorm with dropout spilled registers at 16 warps), 16 for 8K chunks."""
+def bwd_num_warps(block_n: int, partials: int = 1) -> int:
+    """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
+    Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
+    dropout spilled registers at 16 warps), 16 for 8K chunks. With four partials (two weights
+    and two biases: the x1 path) 2 warps at 1K-2K: 67% / 70% of copy vs 52% / 58% with 4
+    (sweep of 2026-11-22, third session; at 4K 2 warps fell to 17%)."""
+    if partials >= 4 and block_n <= 2048:
+        return 2
     return min(max(block_n // 512, 4), 32)
 
 

@@ -304,7 +304,7 @@ def _bwd_run(
         HAS_DROPOUT=dropout_p > 0.0,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
-    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n)
+    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials)
     if warm:
         _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps)
         return
@@ -368,7 +368,8 @@ def fused_norm_bwd(
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
-    programs = config.bwd_num_programs(m, dev, config.bwd_num_warps(block_n), num_chunks)
+    warps = config.bwd_num_warps(block_n, partials)
+    programs = config.bwd_num_programs(m, dev, warps, num_chunks)
 
     def part(present):
         if not present:
