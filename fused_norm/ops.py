@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Optional
 
 import torch
@@ -222,8 +223,16 @@ def fused_norm_fwd(
     else:
         on_miss = None
         if warm_bwd is not None:
+
             def on_miss():
-                warm_bwd(y, y1, residual_out, mean, rstd)
+                try:
+                    warm_bwd(y, y1, residual_out, mean, rstd)
+                except Exception as e:  # noqa: BLE001 - an optimisation must not fail the forward
+                    warnings.warn(
+                        f"fused_norm: could not start compiling the backward ahead ({e!r}); "
+                        "it compiles when first needed", RuntimeWarning, stacklevel=2,
+                    )  # fmt: skip
+
         _fwd_run(*args, on_miss=on_miss)
     return y, y1, residual_out, mean, rstd, mask, mask1
 
@@ -350,6 +359,8 @@ def fused_norm_bwd(
     gradients (same dtypes and shapes), so that the two compiles overlap.
     """
     m, n = s.shape
+    if warm and m == 0:
+        return None
     dev = s.device
     x_dtype = x_dtype or s.dtype
 
@@ -388,8 +399,7 @@ def fused_norm_bwd(
         float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks,
     )  # fmt: skip
     if warm:
-        if m > 0:
-            _bwd_run(*args, warm=True)
+        _bwd_run(*args, warm=True)
         return None
     if torch.compiler.is_compiling():
         _bwd_op(*args)
