@@ -25,8 +25,12 @@ import threading
 
 import torch
 import triton
-from triton import knobs
 from triton.runtime import driver
+
+try:
+    from triton import knobs  # Triton >= 3.4
+except ImportError:  # older Triton: only kernel[grid] launches (FAST_LAUNCH is off below)
+    knobs = None
 
 from .config import device_guard
 
@@ -43,7 +47,9 @@ def _version() -> tuple:
 
 
 FAST_LAUNCH = (
-    os.environ.get("FUSED_NORM_FAST_LAUNCH", "1").strip() != "0" and _version() in _CHECKED_VERSIONS
+    os.environ.get("FUSED_NORM_FAST_LAUNCH", "1").strip() != "0"
+    and _version() in _CHECKED_VERSIONS
+    and knobs is not None
 )
 
 
