@@ -9,6 +9,8 @@ kernels; bench/bench.py measures what users see.
 Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
        [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--fwd-rows 1,8] [--workloads ln,...]
+       [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
+       splitting every row wider than one part)
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def main():
     ap.add_argument("--modes", default="fwd,bwd")
     ap.add_argument("--fwd-warps", default="auto")
     ap.add_argument("--fwd-rows", default="auto", help="rows per forward program (one block)")
+    ap.add_argument("--fwd-split", default="auto", help="auto, off, or bytes per split part")
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
     ap.add_argument("--bwd-max-bytes", default="auto")
@@ -195,14 +198,17 @@ def main():
 
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
             config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-            config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM)  # fmt: skip
+            config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
+            config.FWD_SPLIT_BLOCK_BYTES, config.FWD_SPLIT_WARPS, config.fwd_split_warps)  # fmt: skip
+    splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
+              for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
     for n, workload, mode in itertools.product(
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
     ):
         if mode == "fwd":
-            variants = [(fw, None, None, None, fr, None) for fw, fr in itertools.product(
-                ints(args.fwd_warps), ints(args.fwd_rows))]
+            variants = [(fw, None, None, None, fr, sp) for fw, fr, sp in itertools.product(
+                ints(args.fwd_warps), ints(args.fwd_rows), splits)]
         else:
             variants = list(itertools.product([None], ints(args.bwd_warps),
                                               ints(args.bwd_warps_per_sm),
@@ -212,6 +218,8 @@ def main():
         for fw, bw, wps, maxb, gb, st in variants:
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
+                config.FWD_SPLIT_WARPS = fw
+                config.fwd_split_warps = lambda *a, _w=fw: _w
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
             if wps:
@@ -222,13 +230,21 @@ def main():
                 config.FWD_ROWS_PER_PROGRAM = gb or config.FWD_ROWS_PER_PROGRAM
             elif gb:
                 config.BWD_TILE_BYTES = gb
-            if st:
+            if mode == "fwd" and st:
+                config.FWD_SPLIT_MIN_BYTES = 1 << 40 if st == -1 else st
+                config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_BLOCK_BYTES if st == -1 else st
+            elif st:
                 config.bwd_row_stages = lambda *a, _s=st: _s
             if mode == "fwd":
-                bn, nc = config.block_config(n, 2)
                 plain = workload if workload in ("ln", "rms") else ""
-                desc = (f"warps={config.fwd_num_warps(bn, nc, plain)} "
-                        f"rows={config.fwd_rows_per_program(bn, nc)}")
+                bn, split = config.fwd_split(n, 2, device)
+                nc = 1
+                if split == 1:
+                    bn, nc = config.block_config(n, 2)
+                warps = (config.fwd_split_warps(bool(plain)) if split > 1
+                         else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
+                desc = (f"warps={warps} "
+                        f"rows={config.fwd_rows_per_program(bn, nc)} split={bn}x{split}")
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
@@ -243,7 +259,9 @@ def main():
                 (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
                  config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
                  config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
-                 config.FWD_ROWS_PER_PROGRAM) = orig  # fmt: skip
+                 config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
+                 config.FWD_SPLIT_BLOCK_BYTES, config.FWD_SPLIT_WARPS,
+                 config.fwd_split_warps) = orig  # fmt: skip
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

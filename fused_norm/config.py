@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -74,6 +75,55 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     if (plain == "ln" and 1024 <= block_n <= 4096) or (plain == "rms" and block_n == 1024):
         warps //= 2
     return warps
+
+
+# Forward rows wider than FWD_SPLIT_MIN_BYTES (bytes of the widest row tensor) are split across
+# programs of FWD_SPLIT_BLOCK_BYTES each, which exchange their partial statistics through global
+# memory (kernels.py, _fwd_split_row) instead of one program sweeping the row twice. At most
+# one part per SM, so that a row's parts can be resident together. Under the interpreter a part
+# waits at most FWD_SPLIT_MAX_POLLS reads of its partners' statistics before computing them
+# itself, FWD_SPLIT_SUB_N columns at a time. Sizes: the sweep in bench/NOTES.md #21.
+FWD_SPLIT_MIN_BYTES = 65536
+FWD_SPLIT_BLOCK_BYTES = 8192
+FWD_SPLIT_WARPS = 4
+FWD_SPLIT_MAX_POLLS = 0
+FWD_SPLIT_SUB_N = 128
+
+
+def fwd_split(n_cols: int, elem_bytes: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split."""
+    if n_cols * elem_bytes <= FWD_SPLIT_MIN_BYTES or not split_rows_ok(device):
+        return 0, 1
+    block_n = max(FWD_SPLIT_BLOCK_BYTES // elem_bytes, 8)
+    split = cdiv(n_cols, block_n)
+    if split > sm_count(device):
+        return 0, 1
+    return block_n, split
+
+
+def fwd_split_warps(plain: bool) -> int:
+    """Warps per split part: FWD_SPLIT_WARPS, half that for a norm of x alone (half the bytes
+    per column)."""
+    return max(FWD_SPLIT_WARPS // 2, 1) if plain else FWD_SPLIT_WARPS
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def split_rows_ok(device: torch.device) -> bool:
+    """Whether the forward may split rows on ``device``: CUDA GPUs (ROCm is untested) and the
+    CPU interpreter; ``FUSED_NORM_SPLIT_ROWS=0`` turns it off."""
+    if os.environ.get("FUSED_NORM_SPLIT_ROWS", "1") == "0":
+        return False
+    return (device.type == "cuda" and torch.version.hip is None) or _interpreted()
+
+
+def split_bounded_wait() -> bool:
+    """Whether split parts stop waiting after FWD_SPLIT_MAX_POLLS reads and compute missing
+    statistics themselves: under the interpreter only, which runs one program at a time (see
+    kernels._fwd_split_row for why GPU builds leave it out)."""
+    return _interpreted()
 
 
 # Rows per forward program for narrow rows (one block of at most 256 columns). Sweep of

@@ -11,6 +11,10 @@ Design notes
   the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
   Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
   it is not stored) and normalises.
+* Rows wider than 64 KB on a CUDA GPU are instead split over several programs of 4K 16-bit
+  (2K fp32) columns each (``SPLIT > 1``, ``_fwd_split_row``): each part stays in registers,
+  publishes its (mean, M2) through an int64 workspace and waits for its partners' before
+  normalising, so the row is read once.
 * Dropout masks are never stored for the backward: each row has an int64 seed, and
   Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
@@ -153,6 +157,169 @@ def _fwd_row(
 
 
 @triton.jit
+def _pack_stats(mean, m2):
+    """One int64 word holding a part's (mean, M2): mean's fp32 bits low, M2's high with the
+    sign bit set (M2 >= 0), so a published word is never the zero the workspace starts as."""
+    lo = mean.to(tl.uint32, bitcast=True).to(tl.uint64)
+    hi = (m2.to(tl.uint32, bitcast=True) | 0x80000000).to(tl.uint64)
+    return (lo | (hi << 32)).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _publish_missing_parts(
+    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, RESIDUAL_OUT, WS, words, parts, row, M, N,
+    stride_x_row, stride_res_row, stride_x1_row, dropout_p,
+    BLOCK_N: tl.constexpr, SUB_N: tl.constexpr, SPLIT: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+):  # fmt: skip
+    """The statistics of the parts of ``row`` not yet published, computed by this program from
+    their inputs (SUB_N columns at a time, merged with Chan's formula) and published the same
+    way as their owners would. Reached only when the owners have not published after the
+    polling budget: under the CPU interpreter, which runs programs one after another, or if a
+    GPU ever held a waiting part while its partners could not start. ``words`` is the last
+    poll of the row's words: which parts are missing is taken from it by a reduction, so that
+    every thread of the program takes the same branch (a scalar loaded from memory that others
+    are writing may differ between threads, and the branch holds reductions)."""
+    sub = tl.arange(0, SUB_N)
+    absent = (words.to(tl.uint64, bitcast=True) >> 32) == 0
+    for p in range(SPLIT):
+        if tl.sum((absent & (parts == p)).to(tl.int32), axis=0) > 0:
+            mean = tl.zeros((), dtype=tl.float32)
+            m2 = tl.zeros((), dtype=tl.float32)
+            for c in range(0, BLOCK_N, SUB_N):
+                col0 = p * BLOCK_N + c
+                ccols = col0 + sub
+                col_mask = ccols < N
+                n_c = tl.maximum(tl.minimum(N - col0, SUB_N), 0).to(tl.float32)
+                if n_c > 0:
+                    sp = _combine_inputs(
+                        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, SEEDS, SEEDS,
+                        row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row,
+                        stride_x1_row, dropout_p, SUB_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
+                        HAS_LAYERSCALE, HAS_DROPOUT, False,
+                    )  # fmt: skip
+                    if STORE_RESIDUAL_OUT:
+                        sp = sp.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
+                    if IS_RMS_NORM:
+                        m2 += tl.sum(sp * sp, axis=0)
+                    else:
+                        n_prev = c * 1.0
+                        mean_c = tl.sum(sp, axis=0) / n_c
+                        d = tl.where(col_mask, sp - mean_c, 0.0)
+                        delta = mean_c - mean
+                        n_new = n_prev + n_c
+                        mean += delta * (n_c / n_new)
+                        m2 += tl.sum(d * d, axis=0) + delta * delta * (n_prev * n_c / n_new)
+            # The zero as an int64 tensor: a literal 0 made the interpreter's exchange 32-bit.
+            zero = tl.zeros((), dtype=tl.int64)
+            tl.atomic_cas(WS + row * SPLIT + p, zero, _pack_stats(mean, m2), sem="relaxed")
+
+
+@triton.jit
+def _fwd_split_row(
+    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+    MEAN, RSTD, WS, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
+    stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
+    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+    SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
+
+    The part stays in registers. The program publishes its (mean, M2) pair as one 64-bit word
+    (``_pack_stats``), waits until all SPLIT words of its row are there, merges them (mean =
+    count-weighted mean of the part means, M2 = sum of part M2s + sum of count * (part mean -
+    mean)^2, the parallel-variance formula) and normalises its registers: the row is read
+    once. Every part merges the same words in the same order, so all get bitwise the same
+    statistics.
+
+    Progress. On a GPU a part waits until its partners publish: the parts of a row are
+    consecutive program ids, GPUs start programs in id order, and the launcher keeps SPLIT at
+    most the SM count, so a row's parts are resident together (the assumption single-pass
+    scans with decoupled look-back make too). Under the CPU interpreter, which runs one
+    program after another, the wait is bounded (BOUNDED_WAIT): after ``max_polls`` reads the
+    program computes the missing parts' statistics itself (``_publish_missing_parts``).
+    Words are published by compare-and-swap from zero, so the first word of a part wins and
+    every reader sees that one. The bounded wait is left out of GPU builds: forced on an H200
+    (no polling budget, fallbacks racing the owners) it gave wrong outputs on rows with a
+    partly filled last part, for a reason not found (bench/NOTES.md #21).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // SPLIT
+    part = pid % SPLIT
+    col0 = part * BLOCK_N
+    ccols = col0 + cols
+    col_mask = ccols < N
+    s = _combine_inputs(
+        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+        row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT, STORE_MASK,
+    )  # fmt: skip
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
+        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see _fwd_row)
+    if IS_RMS_NORM:
+        word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
+    else:
+        mean_p = tl.sum(s, axis=0) / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
+        d = tl.where(col_mask, s - mean_p, 0.0)
+        word = _pack_stats(mean_p, tl.sum(d * d, axis=0))
+    tl.atomic_cas(WS + row * SPLIT + part, tl.zeros((), dtype=tl.int64), word, sem="relaxed")
+    parts = tl.arange(0, SPLIT_P2)
+    pmask = parts < SPLIT
+    ptrs = WS + row * SPLIT + parts
+    words = tl.load(ptrs, mask=pmask, other=-1, volatile=True)  # -1: padding counts as published
+    missing = tl.sum(((words.to(tl.uint64, bitcast=True) >> 32) == 0).to(tl.int32), axis=0)
+    polls = 0
+    while missing > 0:
+        if BOUNDED_WAIT and polls == max_polls:  # once: then every part has one in flight
+            _publish_missing_parts(
+                X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, RESIDUAL_OUT, WS, words, parts,
+                row, M, N,
+                stride_x_row, stride_res_row, stride_x1_row, dropout_p, BLOCK_N, SUB_N, SPLIT,
+                IS_RMS_NORM, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+                STORE_RESIDUAL_OUT,
+            )  # fmt: skip
+        # Poll until every word is seen: also after this program's own exchanges, which may
+        # land after a load issued right behind them.
+        words = tl.load(ptrs, mask=pmask, other=-1, volatile=True)
+        missing = tl.sum(((words.to(tl.uint64, bitcast=True) >> 32) == 0).to(tl.int32), axis=0)
+        polls += 1
+    # Every word is published now, and published words never change. Threads that hold copies
+    # of the same word loaded them separately, possibly before the last one landed (measured:
+    # with the fallback racing the owners, columns of threads other than the first got other
+    # statistics). One more load after a barrier gives every thread the same words.
+    tl.debug_barrier()
+    words = tl.load(ptrs, mask=pmask, other=-1, volatile=True)
+    bits = words.to(tl.uint64, bitcast=True)
+    m2s = tl.where(pmask, ((bits >> 32).to(tl.uint32) & 0x7FFFFFFF).to(tl.float32, bitcast=True),
+                   0.0)  # fmt: skip
+    if IS_RMS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(m2s, axis=0) / N + eps)
+        xhat = s * rstd
+    else:
+        means = tl.where(pmask, (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
+                         0.0)  # fmt: skip
+        counts = tl.where(pmask, tl.minimum(N - parts * BLOCK_N, BLOCK_N), 0).to(tl.float32)
+        mean = tl.sum(counts * means, axis=0) / N
+        dm = tl.where(pmask, means - mean, 0.0)
+        rstd = 1.0 / tl.sqrt((tl.sum(m2s, axis=0) + tl.sum(counts * dm * dm, axis=0)) / N + eps)
+        tl.store(MEAN + row, mean, mask=part == 0)
+        xhat = (s - mean) * rstd
+    tl.store(RSTD + row, rstd, mask=part == 0)
+    _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row,
+                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        _normalize_store(xhat, ccols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
 def _fused_norm_fwd_kernel(
     X,             # (M, N) input x
     Y,             # (M, N) output y
@@ -171,11 +338,13 @@ def _fused_norm_fwd_kernel(
     MASK1,         # (M, N) bool keep-mask of x1, contiguous (if STORE_MASK and HAS_X1)
     MEAN,          # (M,) fp32 mean (if not IS_RMS_NORM)
     RSTD,          # (M,) fp32 1 / std
+    WS,            # (M * SPLIT,) int64 zeros: the parts' statistics words (if SPLIT > 1)
     stride_x_row, stride_y_row, stride_res_row, stride_x1_row, stride_y1_row,
     stride_res_out_row,
     M, N,          # rows, columns
     eps,           # variance epsilon
     dropout_p,     # drop probability (if HAS_DROPOUT)
+    max_polls,     # reads of the statistics words a split part waits for before computing them
     BLOCK_N: tl.constexpr,        # columns per chunk (power of two)
     NUM_CHUNKS: tl.constexpr,     # cdiv(N, BLOCK_N); 1 keeps the whole row in registers
     IS_RMS_NORM: tl.constexpr,
@@ -191,10 +360,23 @@ def _fused_norm_fwd_kernel(
     STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # consecutive rows per program (1 for chunked rows)
+    SPLIT: tl.constexpr,     # programs per row (> 1: split rows, each program BLOCK_N columns)
+    SPLIT_P2: tl.constexpr,  # next power of two >= SPLIT
+    SUB_N: tl.constexpr,     # columns per step where a split program computes another's part
+    BOUNDED_WAIT: tl.constexpr,  # split parts stop waiting after max_polls (interpreter)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
-    if NUM_CHUNKS == 1:
+    if SPLIT > 1:
+        _fwd_split_row(
+            X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
+            MASK, MASK1, MEAN, RSTD, WS, cols, stride_x_row, stride_y_row, stride_res_row,
+            stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
+            BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
+            HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
+            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT,
+        )  # fmt: skip
+    elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used
             _fwd_row(
                 X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,

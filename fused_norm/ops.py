@@ -144,17 +144,29 @@ def _fwd_run(
     if m == 0:
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
-    block_n, num_chunks = config.block_config(n, elem_bytes)
+    dev = x.device
+    block_n, split = config.fwd_split(n, elem_bytes, dev)
+    ws = None
+    if split > 1:  # one row over `split` programs; the statistics meet in `ws`
+        num_chunks, rows = 1, 1
+        grid = (m * split,)
+        ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
+    else:
+        block_n, num_chunks = config.block_config(n, elem_bytes)
+        rows = config.fwd_rows_per_program(block_n, num_chunks)
+        grid = (config.cdiv(m, rows),)
     plain = x1 is None and residual is None and dropout_p == 0.0
-    num_warps = config.fwd_num_warps(
-        block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
-    rows = config.fwd_rows_per_program(block_n, num_chunks)
+    if split > 1:
+        num_warps = config.fwd_split_warps(plain)
+    else:
+        num_warps = config.fwd_num_warps(
+            block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
     _FWD(
-        (config.cdiv(m, rows),), x.device,
+        grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
-         rowscale, layerscale, seeds, mask, mask1, mean, rstd,
+         rowscale, layerscale, seeds, mask, mask1, mean, rstd, ws,
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
-         _stride0(residual_out), m, n, eps, dropout_p),
+         _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
         dict(
             BLOCK_N=block_n,
             NUM_CHUNKS=num_chunks,
@@ -171,6 +183,10 @@ def _fwd_run(
             STORE_RESIDUAL_OUT=residual_out is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
             ROWS_PER_PROGRAM=rows,
+            SPLIT=split,
+            SPLIT_P2=config.next_power_of_2(split),
+            SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
+            BOUNDED_WAIT=config.split_bounded_wait(),
         ),
         num_warps,
         on_miss=on_miss,

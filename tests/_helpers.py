@@ -388,3 +388,23 @@ class max_block_bytes:
     def __exit__(self, *exc):
         for k, v in self.saved.items():
             setattr(fused_norm.config, k, v)
+
+
+class split_rows:
+    """Context manager: split every forward row wider than ``value`` bytes into parts of
+    ``value`` bytes (``fused_norm.config.FWD_SPLIT_*``), with up to 64 parts per row whatever
+    the device's SM count. Restored on exit, also on failure."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __enter__(self):
+        cfg = fused_norm.config
+        self.saved = {k: getattr(cfg, k) for k in
+                      ("FWD_SPLIT_MIN_BYTES", "FWD_SPLIT_BLOCK_BYTES", "sm_count")}  # fmt: skip
+        cfg.FWD_SPLIT_MIN_BYTES = cfg.FWD_SPLIT_BLOCK_BYTES = self.value
+        cfg.sm_count = lambda device: 64
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(fused_norm.config, k, v)

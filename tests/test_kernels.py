@@ -11,9 +11,11 @@ The example counts are set per test (``max_examples``); conftest prints the numb
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from _helpers import Case, check_case, count_example, max_block_bytes
+from _helpers import Case, check_case, count_example, max_block_bytes, split_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,12 +28,14 @@ ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
 
 EXAMPLES_FN = 560
 EXAMPLES_CHUNKED = 200
+EXAMPLES_SPLIT = 80
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 
 
-def widths(max_n: int = 320):
-    return st.one_of(st.sampled_from([n for n in SPECIAL_N if n <= max_n]), st.integers(1, max_n))
+def widths(max_n: int = 320, min_n: int = 1):
+    return st.one_of(st.sampled_from([n for n in SPECIAL_N if min_n <= n <= max_n]),
+                     st.integers(min_n, max_n))  # fmt: skip
 
 
 def leading(max_rows: int = 24):
@@ -43,9 +47,9 @@ def leading(max_rows: int = 24):
 
 
 @st.composite
-def cases(draw, api="fn", max_n=320, max_rows=24):
+def cases(draw, api="fn", max_n=320, max_rows=24, min_n=1):
     """A Case for ``api`` ("fn", "legacy" or "parallel") with every flag drawn."""
-    n = draw(widths(max_n))
+    n = draw(widths(max_n, min_n))
     dtype = draw(st.sampled_from(DTYPES))
     residual = draw(st.sampled_from([None, "same", "fp32"]))
     has_x1 = api == "parallel" or (api == "fn" and draw(st.booleans()))
@@ -102,6 +106,32 @@ def test_fn_chunked_matches_reference(arg):
     case, block_bytes = arg
     with max_block_bytes(block_bytes):  # restored on exit, also on failure
         check_case(case, "fn")
+
+
+@st.composite
+def split_cases(draw):
+    """Cases for split rows, with the part size that forces them: 64 bytes (16 fp32 or 32
+    16-bit columns) or 256 bytes; rows wider than one part even in 16-bit, at most 4 rows."""
+    block_bytes = draw(st.sampled_from([64, 256]))
+    max_n = 128 if block_bytes == 64 else 320
+    return draw(cases("fn", max_n=max_n, max_rows=4, min_n=block_bytes // 2 + 1)), block_bytes
+
+
+@settings(max_examples=EXAMPLES_SPLIT)
+@given(arg=split_cases(), api=st.sampled_from(["fn", "fn", "legacy"]))
+def test_split_rows_match_reference(arg, api):
+    """Forward rows split over several programs (config.fwd_split), forced by small parts: 64
+    or 256 bytes. Under the interpreter the first part of each row finds its partners'
+    statistics missing and computes them (the bounded wait's fallback); the later parts merge
+    the published words."""
+    count_example("test_split_rows_match_reference")
+    case, block_bytes = arg
+    if api == "legacy":
+        case = dataclasses.replace(case, has_x1=False, has_w1=False, has_b1=False,
+                                   zero_centered_weight=False, out_dtype=None,
+                                   layerscale=case.seed % 2 == 0)  # fmt: skip
+    with split_rows(block_bytes):
+        check_case(case, api)
 
 
 @settings(max_examples=EXAMPLES_LEGACY)
