@@ -199,7 +199,7 @@ def main():
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
             config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
             config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
-            config.FWD_SPLIT_BLOCK_BYTES, config.FWD_SPLIT_WARPS, config.fwd_split_warps)  # fmt: skip
+            config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
@@ -218,7 +218,6 @@ def main():
         for fw, bw, wps, maxb, gb, st in variants:
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
-                config.FWD_SPLIT_WARPS = fw
                 config.fwd_split_warps = lambda *a, _w=fw: _w
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
@@ -260,8 +259,7 @@ def main():
                  config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
                  config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
                  config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
-                 config.FWD_SPLIT_BLOCK_BYTES, config.FWD_SPLIT_WARPS,
-                 config.fwd_split_warps) = orig  # fmt: skip
+                 config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps) = orig  # fmt: skip
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

@@ -82,7 +82,8 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
 # memory (kernels.py, _fwd_split_row) instead of one program sweeping the row twice. At most
 # one part per SM, so that a row's parts can be resident together. Under the interpreter a part
 # waits at most FWD_SPLIT_MAX_POLLS reads of its partners' statistics before computing them
-# itself, FWD_SPLIT_SUB_N columns at a time. Sizes: the sweep in bench/NOTES.md #21.
+# itself, FWD_SPLIT_SUB_N columns at a time (kernels._fwd_split_row says why GPU builds wait
+# without a bound). Sizes: the sweep in bench/NOTES.md #21.
 FWD_SPLIT_MIN_BYTES = 65536
 FWD_SPLIT_BLOCK_BYTES = 8192
 FWD_SPLIT_WARPS = 4
@@ -107,8 +108,9 @@ def fwd_split_warps(plain: bool) -> int:
     return max(FWD_SPLIT_WARPS // 2, 1) if plain else FWD_SPLIT_WARPS
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Whether Triton runs the kernels in its CPU interpreter: it decides when the kernels are
+# defined (on import), from this variable.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def split_rows_ok(device: torch.device) -> bool:
@@ -116,14 +118,7 @@ def split_rows_ok(device: torch.device) -> bool:
     CPU interpreter; ``FUSED_NORM_SPLIT_ROWS=0`` turns it off."""
     if os.environ.get("FUSED_NORM_SPLIT_ROWS", "1") == "0":
         return False
-    return (device.type == "cuda" and torch.version.hip is None) or _interpreted()
-
-
-def split_bounded_wait() -> bool:
-    """Whether split parts stop waiting after FWD_SPLIT_MAX_POLLS reads and compute missing
-    statistics themselves: under the interpreter only, which runs one program at a time (see
-    kernels._fwd_split_row for why GPU builds leave it out)."""
-    return _interpreted()
+    return (device.type == "cuda" and torch.version.hip is None) or INTERPRETED
 
 
 # Rows per forward program for narrow rows (one block of at most 256 columns). Sweep of

@@ -157,6 +157,19 @@ def _fwd_row(
 
 
 @triton.jit
+def _chan_merge(mean, m2, s, col_mask, n_prev, n_c):
+    """(mean, M2) of ``n_prev`` columns merged with the chunk ``s`` (``n_c`` columns where
+    ``col_mask``), by Chan's formula."""
+    mean_c = tl.sum(s, axis=0) / n_c
+    d = tl.where(col_mask, s - mean_c, 0.0)
+    delta = mean_c - mean
+    n_new = n_prev + n_c
+    mean += delta * (n_c / n_new)
+    m2 += tl.sum(d * d, axis=0) + delta * delta * (n_prev * n_c / n_new)
+    return mean, m2
+
+
+@triton.jit
 def _pack_stats(mean, m2):
     """One int64 word holding a part's (mean, M2): mean's fp32 bits low, M2's high with the
     sign bit set (M2 >= 0), so a published word is never the zero the workspace starts as."""
@@ -204,13 +217,7 @@ def _publish_missing_parts(
                     if IS_RMS_NORM:
                         m2 += tl.sum(sp * sp, axis=0)
                     else:
-                        n_prev = c * 1.0
-                        mean_c = tl.sum(sp, axis=0) / n_c
-                        d = tl.where(col_mask, sp - mean_c, 0.0)
-                        delta = mean_c - mean
-                        n_new = n_prev + n_c
-                        mean += delta * (n_c / n_new)
-                        m2 += tl.sum(d * d, axis=0) + delta * delta * (n_prev * n_c / n_new)
+                        mean, m2 = _chan_merge(mean, m2, sp, col_mask, c * 1.0, n_c)
             # The zero as an int64 tensor: a literal 0 made the interpreter's exchange 32-bit.
             zero = tl.zeros((), dtype=tl.int64)
             tl.atomic_cas(WS + row * SPLIT + p, zero, _pack_stats(mean, m2), sem="relaxed")
@@ -414,14 +421,8 @@ def _fused_norm_fwd_kernel(
             if IS_RMS_NORM:
                 m2 += tl.sum(s * s, axis=0)
             else:
-                n_prev = c * BLOCK_N * 1.0
                 n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-                mean_c = tl.sum(s, axis=0) / n_c
-                d = tl.where(col_mask, s - mean_c, 0.0)
-                delta = mean_c - mean
-                n_new = n_prev + n_c
-                mean += delta * (n_c / n_new)
-                m2 += tl.sum(d * d, axis=0) + delta * delta * (n_prev * n_c / n_new)
+                mean, m2 = _chan_merge(mean, m2, s, col_mask, c * BLOCK_N * 1.0, n_c)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         tl.store(RSTD + row, rstd)
         if not IS_RMS_NORM:

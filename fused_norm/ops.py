@@ -145,20 +145,18 @@ def _fwd_run(
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
     dev = x.device
+    plain = x1 is None and residual is None and dropout_p == 0.0
     block_n, split = config.fwd_split(n, elem_bytes, dev)
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
+        num_warps = config.fwd_split_warps(plain)
     else:
         block_n, num_chunks = config.block_config(n, elem_bytes)
         rows = config.fwd_rows_per_program(block_n, num_chunks)
         grid = (config.cdiv(m, rows),)
-    plain = x1 is None and residual is None and dropout_p == 0.0
-    if split > 1:
-        num_warps = config.fwd_split_warps(plain)
-    else:
         num_warps = config.fwd_num_warps(
             block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
     _FWD(
@@ -186,7 +184,7 @@ def _fwd_run(
             SPLIT=split,
             SPLIT_P2=config.next_power_of_2(split),
             SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
-            BOUNDED_WAIT=config.split_bounded_wait(),
+            BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
         ),
         num_warps,
         on_miss=on_miss,
