@@ -166,6 +166,19 @@ def use_rng_variant(name, out_dir):
     ops._FWD = Launcher(mod._fused_norm_fwd_kernel)
 
 
+def print_regs():
+    """Registers, spills and shared memory of every compiled forward / backward kernel."""
+    from fused_norm import kernels
+
+    for kern in (kernels._fused_norm_fwd_kernel, kernels._fused_norm_bwd_kernel):
+        for caches in getattr(kern, "device_caches", {}).values():
+            for ck in caches[0].values():
+                c = ck.result() if hasattr(ck, "result") else ck
+                print(f"{kern.fn.__name__}: regs={getattr(c, 'n_regs', '?')} "
+                      f"spills={getattr(c, 'n_spills', '?')} shared={c.metadata.shared} "
+                      f"warps={c.metadata.num_warps} maxnreg={c.metadata.maxnreg}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep-out")
@@ -180,6 +193,9 @@ def main():
     ap.add_argument("--bwd-max-bytes", default="auto")
     ap.add_argument("--bwd-stages", default="auto")
     ap.add_argument("--bwd-tile-bytes", default=str(config.BWD_TILE_BYTES))
+    ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
+    ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
+    ap.add_argument("--fwd-maxnreg", default="auto", help="register caps of the forward")
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -199,7 +215,8 @@ def main():
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
             config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
             config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
-            config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps)  # fmt: skip
+            config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps, config.fwd_maxnreg,
+            config.bwd_maxnreg)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
@@ -207,18 +224,24 @@ def main():
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
     ):
         if mode == "fwd":
-            variants = [(fw, None, None, None, fr, sp) for fw, fr, sp in itertools.product(
-                ints(args.fwd_warps), ints(args.fwd_rows), splits)]
+            variants = [(fw, None, None, None, fr, sp, mr) for fw, fr, sp, mr in
+                        itertools.product(ints(args.fwd_warps), ints(args.fwd_rows), splits,
+                                          ints(args.fwd_maxnreg))]
         else:
             variants = list(itertools.product([None], ints(args.bwd_warps),
                                               ints(args.bwd_warps_per_sm),
                                               ints(args.bwd_max_bytes),
                                               ints(args.bwd_tile_bytes),
-                                              ints(args.bwd_stages)))  # fmt: skip
-        for fw, bw, wps, maxb, gb, st in variants:
+                                              ints(args.bwd_stages),
+                                              ints(args.bwd_maxnreg)))  # fmt: skip
+        for fw, bw, wps, maxb, gb, st, mr in variants:
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
+            if mr and mode == "fwd":
+                config.fwd_maxnreg = lambda *a, _r=mr: _r
+            elif mr:
+                config.bwd_maxnreg = lambda *a, _r=mr: _r
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
             if wps:
@@ -242,13 +265,15 @@ def main():
                     bn, nc = config.block_config(n, 2)
                 warps = (config.fwd_split_warps(bool(plain)) if split > 1
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
-                desc = (f"warps={warps} "
-                        f"rows={config.fwd_rows_per_program(bn, nc)} split={bn}x{split}")
+                desc = (f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
+                        f"split={bn}x{split} "
+                        f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2)}")
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
                 desc = (f"warps={config.bwd_num_warps(bn, partials)} wps={config.BWD_WARPS_PER_SM} "
-                        f"block={bn}x{nc} stages={st or 'auto'}")  # fmt: skip
+                        f"block={bn}x{nc} stages={st or 'auto'} "
+                        f"maxnreg={config.bwd_maxnreg(bn, nc, workload == 'drop_add_ln', partials)}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""
@@ -259,12 +284,15 @@ def main():
                  config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
                  config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
                  config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
-                 config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps) = orig  # fmt: skip
+                 config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
+                 config.fwd_maxnreg, config.bwd_maxnreg) = orig  # fmt: skip
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "
                   f"{100 * gbps / ceiling:5.1f}% {err}", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
+    if args.regs:
+        print_regs()
     with open(os.path.join(args.out, "sweep.csv"), "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
         wr.writeheader()

@@ -77,6 +77,43 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     return warps
 
 
+# Register caps (Triton's ``maxnreg``, ptxas's .maxnreg): how many programs an SM holds is set by
+# registers per thread, and a forward with dropout lands just above a step. Sweeps of 2026-11-22
+# (H200, bf16, graph replay; bench/NOTES.md #24), dropout + add + LayerNorm forward capped at 64:
+# 16K columns (16 warps, 92 registers -> 64, no spills) 74 -> 94% of copy, as one program per
+# SM becomes two; split parts at 64K / 256K (4 warps, 80 -> 64) 79 -> 85% / 73 -> 79%. In the
+# benchmark that followed: 16K 79 -> 96%, 64K 86 -> 87% (fp16 86 -> 88%); but 4K-8K rows (8
+# warps: +1 point in the sweep) lost 3 points in fp16, and the split parts with an fp32 stream
+# 2.5, so those keep the compiler's choice, as do the x1 path (the cap spills: x + x1 +
+# residual at 8K 97 -> 76%) and 32K-column blocks (they spill at any cap).
+FWD_DROPOUT_MAXNREG = 64
+# The backward of dropout + LayerNorm at 1K columns (4 warps) capped at 128: one more program
+# per SM, 77 -> 84% of copy in the sweep, fwd+bwd 80 -> 90% in the benchmark. A cap at or above
+# what the compiler needs is not neutral: ptxas then spends the budget (plain LayerNorm at 1K
+# lost 21 points under caps of 96-128, the x1 path with bf16 weights 3), so it stays where
+# measured.
+BWD_DROPOUT_MAXNREG = 128
+
+
+def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bool,
+                elem_bytes: int):  # fmt: skip
+    """Register cap of the forward (None: the compiler's choice): FWD_DROPOUT_MAXNREG for
+    16-bit rows with dropout and no x1, split or in one block of 8K-16K columns."""
+    if not dropout or x1 or elem_bytes != 2:
+        return None
+    if split > 1 or (num_chunks == 1 and 8192 < block_n <= 16384):
+        return FWD_DROPOUT_MAXNREG
+    return None
+
+
+def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int):
+    """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for
+    one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm)."""
+    if block_n == 1024 and num_chunks == 1 and dropout and partials == 2:
+        return BWD_DROPOUT_MAXNREG
+    return None
+
+
 # Forward rows wider than FWD_SPLIT_MIN_BYTES (bytes of the widest row tensor) are split across
 # programs of FWD_SPLIT_BLOCK_BYTES each, which exchange their partial statistics through global
 # memory (kernels.py, _fwd_split_row) instead of one program sweeping the row twice. At most

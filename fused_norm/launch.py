@@ -101,8 +101,19 @@ def _warm_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _WARM_POOL
 
 
+def _options(num_warps, num_stages, maxnreg) -> dict:
+    """Triton's launch options (num_stages and maxnreg only where given)."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return options
+
+
 class Launcher:
-    """``launcher(grid, device, args, constexprs, num_warps, num_stages)`` launches ``kernel``.
+    """``launcher(grid, device, args, constexprs, num_warps, num_stages, maxnreg)`` launches
+    ``kernel`` (``maxnreg``: a cap on registers per thread, or None).
 
     ``args`` are the kernel's runtime parameters in order, ``constexprs`` a dict of the
     constexpr parameters in their order (they follow the runtime ones in our kernels).
@@ -116,19 +127,18 @@ class Launcher:
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
 
-    def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None):
+    def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None,
+                 maxnreg=None):
         """Launch; ``on_miss`` is called first when this configuration has not been launched
         yet (it will compile), e.g. to start compiling the backward meanwhile."""
-        options = {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
+        options = _options(num_warps, num_stages, maxnreg)
         if not (self.fast and device.type == "cuda"):
             return self._jit(grid, device, args, constexprs, options)
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_) or knobs.runtime.debug:
             return self._jit(grid, device, args, constexprs, options)
         values = tuple(constexprs.values())
-        key = (device.index, num_warps, num_stages, values, arg_key(args))
+        key = (device.index, num_warps, num_stages, values, arg_key(args), maxnreg)
         hit = self.cache.get(key)
         if hit is None:
             if on_miss is not None:
@@ -154,17 +164,16 @@ class Launcher:
                 stream = driver.active.get_current_stream(device.index)
                 run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *values)
 
-    def warm(self, grid, device, args, constexprs, num_warps, num_stages=None):
+    def warm(self, grid, device, args, constexprs, num_warps, num_stages=None, maxnreg=None):
         """Start compiling, in a background thread, the kernel that a launch with these
         arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
         if not (self.fast and device.type == "cuda"):
             return
-        key = (device.index, num_warps, num_stages, tuple(constexprs.values()), arg_key(args))
+        key = (device.index, num_warps, num_stages, tuple(constexprs.values()), arg_key(args),
+               maxnreg)
         if key in self.cache or key in self.pending:
             return
-        options = {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
+        options = _options(num_warps, num_stages, maxnreg)
         self.pending[key] = _warm_pool().submit(self._warm, grid, device, args, constexprs, options)
 
     def _warm(self, grid, device, args, constexprs, options):

@@ -188,6 +188,8 @@ def _fwd_run(
         ),
         num_warps,
         on_miss=on_miss,
+        maxnreg=config.fwd_maxnreg(block_n, num_chunks, split, dropout_p > 0.0,
+                                   x1 is not None, elem_bytes),
     )  # fmt: skip
 
 
@@ -328,18 +330,19 @@ def _bwd_run(
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
     grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials)
+    maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials)
     if warm:
-        _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps)
+        _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
         return
     try:
-        _BWD(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps)
+        _BWD(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
     except OutOfResources:
         # The pipeline's buffers did not fit this device's shared memory (config sizes them
         # from an estimate): run unpipelined, and remember it for this configuration.
         if stages == 1:
             raise
         _STAGES_THAT_FIT[key] = 1
-        _BWD(grid, dev, args, {**flags, "ROW_STAGES": 1}, warps)
+        _BWD(grid, dev, args, {**flags, "ROW_STAGES": 1}, warps, maxnreg=maxnreg)
 
 
 # (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.

@@ -30,6 +30,8 @@ FLAGS = {
     "drop_add_ln_prenorm_fp32res": dict(residual_dtype=FP32, residual_in_fp32=True,
                                         dropout_p=0.1, prenorm=True, weight_dtype=FP32),
     "x1_w1": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same"),
+    # A 16-bit stream with dropout: the forward's register cap (config.fwd_maxnreg) applies.
+    "drop_add_ln_prenorm": dict(residual_dtype="same", dropout_p=0.1, prenorm=True),
 }  # fmt: skip
 
 MATRIX = (
@@ -41,6 +43,8 @@ MATRIX = (
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]
     + [("drop_add_ln_prenorm_fp32res", 32768, FP32)]
     + [("x1_w1", n, FP16) for n in (768, 12288, 65536)]
+    + [("drop_add_ln_prenorm", n, d) for n, d in ((1024, BF16), (12288, FP16), (16384, BF16),
+                                                  (65536, BF16))]
     # Narrow rows: eight rows per forward program (the last program partly empty: _rows is odd).
     + [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm_fp32res") for n in (100, 256)]
 )
