@@ -267,13 +267,13 @@ def main():
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
                 desc = (f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
                         f"split={bn}x{split} "
-                        f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2)}")
+                        f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2, device)}")
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
                 desc = (f"warps={config.bwd_num_warps(bn, partials)} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
-                        f"maxnreg={config.bwd_maxnreg(bn, nc, workload == 'drop_add_ln', partials)}")  # fmt: skip
+                        f"maxnreg={config.bwd_maxnreg(bn, nc, workload == 'drop_add_ln', partials, device)}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""

@@ -95,21 +95,28 @@ FWD_DROPOUT_MAXNREG = 64
 BWD_DROPOUT_MAXNREG = 128
 
 
+def _nvidia(device: torch.device) -> bool:
+    """A CUDA GPU (not ROCm): ptxas's register caps exist only there (other Triton backends
+    refuse the ``maxnreg`` option)."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bool,
-                elem_bytes: int):  # fmt: skip
+                elem_bytes: int, device: torch.device):  # fmt: skip
     """Register cap of the forward (None: the compiler's choice): FWD_DROPOUT_MAXNREG for
     16-bit rows with dropout and no x1, split or in one block of 8K-16K columns."""
-    if not dropout or x1 or elem_bytes != 2:
+    if not dropout or x1 or elem_bytes != 2 or not _nvidia(device):
         return None
     if split > 1 or (num_chunks == 1 and 8192 < block_n <= 16384):
         return FWD_DROPOUT_MAXNREG
     return None
 
 
-def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int):
+def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
+                device: torch.device):  # fmt: skip
     """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for
     one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm)."""
-    if block_n == 1024 and num_chunks == 1 and dropout and partials == 2:
+    if block_n == 1024 and num_chunks == 1 and dropout and partials == 2 and _nvidia(device):
         return BWD_DROPOUT_MAXNREG
     return None
 
@@ -155,7 +162,7 @@ def split_rows_ok(device: torch.device) -> bool:
     CPU interpreter; ``FUSED_NORM_SPLIT_ROWS=0`` turns it off."""
     if os.environ.get("FUSED_NORM_SPLIT_ROWS", "1") == "0":
         return False
-    return (device.type == "cuda" and torch.version.hip is None) or INTERPRETED
+    return _nvidia(device) or INTERPRETED
 
 
 # Rows per forward program for narrow rows (one block of at most 256 columns). Sweep of

@@ -189,7 +189,7 @@ def _fwd_run(
         num_warps,
         on_miss=on_miss,
         maxnreg=config.fwd_maxnreg(block_n, num_chunks, split, dropout_p > 0.0,
-                                   x1 is not None, elem_bytes),
+                                   x1 is not None, elem_bytes, dev),
     )  # fmt: skip
 
 
@@ -330,7 +330,7 @@ def _bwd_run(
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
     grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials)
-    maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials)
+    maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
     if warm:
         _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
         return

@@ -138,3 +138,27 @@ def test_backward_compiles_during_first_forward(monkeypatch):
     want = run()
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+def test_register_caps_only_where_measured():
+    """config's register caps (Triton's maxnreg) go to NVIDIA GPUs only (other backends refuse
+    the option) and only to the configurations the sweeps chose (bench/NOTES.md #24): a cap
+    is not neutral elsewhere, ptxas spends it."""
+    from fused_norm import config
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    # (block_n, num_chunks, split, dropout, x1, elem_bytes)
+    capped = [(16384, 1, 1, True, False, 2), (4096, 1, 16, True, False, 2)]
+    kept = [(16384, 1, 1, False, False, 2), (16384, 1, 1, True, True, 2),
+            (16384, 1, 1, True, False, 4), (8192, 1, 1, True, False, 2),
+            (32768, 1, 1, True, False, 2), (2048, 1, 32, True, False, 4)]  # fmt: skip
+    expected = 64 if torch.version.hip is None else None
+    for args in capped:
+        assert config.fwd_maxnreg(*args, gpu) == expected, args
+        assert config.fwd_maxnreg(*args, cpu) is None, args
+    for args in kept:
+        assert config.fwd_maxnreg(*args, gpu) is None, args
+    assert config.bwd_maxnreg(1024, 1, True, 2, gpu) == (128 if expected else None)
+    for args in ((1024, 1, True, 2, cpu), (1024, 1, True, 4, gpu), (1024, 1, False, 2, gpu),
+                 (4096, 1, True, 2, gpu), (512, 1, True, 2, gpu)):  # fmt: skip
+        assert config.bwd_maxnreg(*args) is None, args
