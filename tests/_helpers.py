@@ -18,6 +18,15 @@ fp16-rounded activations: its noise floor is fp16's. Measured against fp32's eps
 accurate computations of a 7-column dW differed by more than 2x (fp16 x, x1 and residual,
 N = 7, found by hypothesis).
 
+Where a value is a difference of much larger terms, the maximum over a few elements of the
+baseline's error is no bound: PyTorch's rounding errors may happen to cancel where the kernel's
+do not (small N, few rows). The norm's input gradient ``ds = r * (g - c2 - xhat * c1)`` is such
+a difference (RMSNorm with N = 1: ``1 - xhat^2``), and so is LayerNorm's ``xhat`` under a mean
+offset. For those (y, y1 and the gradients of x, residual, x1, layerscale, weight, weight1) the
+bound gets one more term per element, ``|kernel - truth| <= 2 * max|base - truth| + atol +
+roundoff``: twice a first-order bound of fp32's rounding error, a few ulps of the terms rather
+than of the result (:func:`rounding_bounds` derives it).
+
 One exception to the factor 2: the Triton interpreter (``TRITON_INTERPRET=1``, the CPU run)
 converts fp32 to bf16 by truncation (``triton/runtime/interpreter.py``, ``cast_impl`` passes no
 rounding mode), an error of up to one ulp with a bias, twice the bound of the round-to-nearest
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -74,14 +84,17 @@ def _index(flat: int, shape) -> tuple:
 
 def assert_three_way(
     name: str, kernel, truth, base, factor: float = 2.0, atol_ulps: float = ATOL_ULPS,
-    working_dtypes=(),
+    working_dtypes=(), roundoff=None,
 ) -> None:  # fmt: skip
-    """``max|kernel - truth| <= factor * max|base - truth| + atol`` (see the module docstring).
+    """``|kernel - truth| <= factor * max|base - truth| + atol + roundoff`` elementwise (see
+    the module docstring).
 
     ``truth`` is fp64; ``base`` may have another dtype than ``kernel`` (compared in fp64).
     ``working_dtypes``: the dtypes ``kernel`` was computed from; the coarsest of them and of
-    kernel's own dtype sets the eps of atol. On failure the message gives the worst element's
-    index and its kernel, truth and base values.
+    kernel's own dtype sets the eps of atol. ``roundoff``: None, or a tensor of truth's shape,
+    the per-element rounding-error bound of a value computed by cancellation
+    (:func:`rounding_bounds`). On failure the message gives the worst element's index
+    (the one furthest over its bound) and its kernel, truth and base values.
     """
     assert kernel is not None, f"{name}: the kernel returned no tensor"
     assert truth is not None and base is not None, f"{name}: missing reference tensor"
@@ -97,16 +110,31 @@ def assert_three_way(
     eps = max(torch.finfo(d).eps for d in (kernel.dtype, *working_dtypes) if d is not None)
     atol = atol_ulps * eps * max(1.0, t.abs().max().item())
     bound = factor * err_base + atol
-    if not err_kernel <= bound:  # written so that NaN fails
+    if roundoff is None:
+        if err_kernel <= bound:  # written so that NaN fails
+            return
         flat = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
-        idx = _index(flat, k.shape)
-        raise AssertionError(
-            f"{name} ({kernel.dtype}): max|kernel - truth| = {err_kernel:.3e} > "
-            f"{factor:g} * max|base - truth| + atol = {factor:g} * {err_base:.3e} + {atol:.3e}; "
-            "worst element "
-            f"{idx}: kernel {k[idx].item():.8g}, truth {t[idx].item():.8g}, "
-            f"base {b[idx].item():.8g}"
+    else:
+        r = roundoff.detach().to(k.device, torch.float64).expand_as(k)
+        excess = diff - r
+        if bool((excess <= bound).all()):  # written so that NaN fails
+            return
+        flat = int(torch.nan_to_num(excess, nan=float("inf")).argmax())
+    idx = _index(flat, k.shape)
+    if roundoff is None:
+        head = f"max|kernel - truth| = {err_kernel:.3e} > "
+        rule = f"{factor:g} * max|base - truth| + atol = {factor:g} * {err_base:.3e} + {atol:.3e}"
+    else:
+        head = f"|kernel - truth| = {diff[idx].item():.3e} (max {err_kernel:.3e}) > "
+        rule = (
+            f"{factor:g} * max|base - truth| + atol + roundoff = {factor:g} * {err_base:.3e} "
+            f"+ {atol:.3e} + {r[idx].item():.3e}"
         )
+    raise AssertionError(
+        f"{name} ({kernel.dtype}): {head}{rule}; worst element "
+        f"{idx}: kernel {k[idx].item():.8g}, truth {t[idx].item():.8g}, "
+        f"base {b[idx].item():.8g}"
+    )
 
 
 def assert_bitwise_equal(name: str, a, b) -> None:
@@ -257,8 +285,9 @@ def call_fused(case: Case, t: dict, api: str = "fn", **extra):
     raise ValueError(api)
 
 
-def reference(case: Case, t: dict, masks, copy):
-    """The reference on ``copy(tensor)`` of every input; returns the outs dict like call_fused."""
+def reference(case: Case, t: dict, masks, copy, with_stream: bool = False):
+    """The reference on ``copy(tensor)`` of every input; returns ``(copies, outs)``, outs a dict
+    like call_fused's, and with ``with_stream`` also the pre-norm residual stream."""
     c = {k: (copy(v) if v is not None else None) for k, v in t.items()}
     x = c["x"]
     if c["layerscale"] is not None:
@@ -277,7 +306,7 @@ def reference(case: Case, t: dict, masks, copy):
         outs["y1"] = res[1]
     if case.prenorm:
         outs["residual_out"] = res[-1]
-    return c, outs
+    return (c, outs, res[-1]) if with_stream else (c, outs)
 
 
 def _grads(outs: dict, upstream: dict, leaves: dict) -> dict:
@@ -290,6 +319,184 @@ def _grads(outs: dict, upstream: dict, leaves: dict) -> dict:
         allow_unused=True,
     )
     return dict(zip(names, got))
+
+
+# rounding_bounds' margin over its first-order bounds (second-order terms, the order in which a
+# kernel happens to sum).
+ROUNDOFF_SAFETY = 2.0
+# Up to this many elements (rows * N * N), rounding_bounds propagates the stream's rounding
+# through the exact Jacobians; wider rows take a triangle-inequality bound of them (O(N) a row).
+JACOBIAN_MAX_ELEMENTS = 2**22
+
+
+def rounding_bounds(case: Case, t64: dict, masks, stream, upstream: dict, used):
+    """Per-element bounds of the fp32 rounding error of what depends on the normalised stream
+    ``xhat``, for ``assert_three_way``'s ``roundoff``: ``(outs, grads)``, dicts keyed like
+    check_case's outputs (y, y1) and inputs (x, residual, x1, layerscale, weight, weight1).
+
+    Why. Per row, with ``d = s`` (RMSNorm) or ``s - mean(s)`` (LayerNorm) for the stream ``s``,
+    ``r = 1 / sqrt(mean(d^2) + eps)``, ``xhat = d * r``, ``g = w * dy + w1 * dy1`` (zero-centred:
+    ``1 + w``), ``c1 = mean(xhat * g)`` and ``c2 = mean(g)`` (LayerNorm; 0 for RMSNorm),
+
+        ds_j = r * (g_j - c2 - xhat_j * c1)
+
+    is a difference of terms of size ``r * |g|`` whose result can be far smaller: RMSNorm with
+    N = 1 has ``ds = r * g * (1 - xhat^2) = r * g * eps / (s^2 + eps)``, and with s ~ 0.01,
+    eps = 1e-6 the terms cancel to 1 %; LayerNorm with N = 2 cancels to eps's share. Any fp32
+    evaluation (the kernel's, PyTorch's) then errs by ulps of the terms, not of the result, and
+    2 x PyTorch's error is no bound where few elements are compared (small N, few rows) and
+    PyTorch's rounding errors happen to cancel: hypothesis found N = 1 RMSNorm at 7.5e-6
+    against PyTorch's 9e-7, on a gradient of 0.73 that is the difference of terms of ~43.
+    Likewise ``xhat`` (so y and the weight gradients ``sum(dy * xhat)``): LayerNorm's
+    ``s - mean`` rounds at the scale of ``s``, so a mean offset of k standard deviations of the row costs about k ulps of xhat;
+    with N = 2 and one row (offset 10) the kernel's d(weight1) erred by 15 ulps, PyTorch's by 2.
+
+    Bounds: first-order error analysis, each fp32 operation a relative error <= u = 2**-24,
+    errors added in absolute value, every quantity at the fp64 truth; L = ceil(log2 N) for a
+    tree sum over the row (tl.sum), ``q = g - c2 - 3 * xhat * c1`` (``= r * d ds / d r``).
+
+    (A) The stream's own rounding: ``s_k`` is off by <= 4 u |s|_abs_k (the products by rowscale
+        and 1 / (1 - p), the sums; ``|s|_abs`` is the stream summed from the absolute values of
+        its terms). It propagates through the exact Jacobians
+            d xhat_j / d s_k = r ([j == k] - c - xhat_j xhat_k / N)
+            d ds_j / d s_k   = -r^2 c1 [j == k] - (r^2 / N) (q_j xhat_k + xhat_j g'_k - c c1 N)
+        (LayerNorm: c = 1 / N and g' = g - c2, the centring; RMSNorm: c = 0, g' = g) as
+        sum_k |J_jk| 4 u |s|_abs_k. Exactly, not term by term: for N = 1 RMSNorm
+        d ds / d s = -3 r xhat ds shrinks with ds, where bounding r's and xhat's errors apart
+        would charge every rounding of s with the full cancellation.
+    (B) The arithmetic on that s:
+        r                 relative e_r = ((L + 2) u var + u (var + eps)) / (2 (var + eps)) + 3 u
+                          (squares, tree sum, / N, + eps, sqrt and division with room for GPU
+                          approximations): |xhat_j| e_r on xhat, r |q_j| e_r on ds
+        LayerNorm's mean  (L + 1) u mean|s|, shifting every d_k: r on xhat,
+                          r^2 |c1 + xhat_j c2| on ds
+        LayerNorm's d     u (|s_k| + |mean|) on each d_k, in whatever order it is formed:
+                          sum_k |J_jk| times it (the Jacobians above with c = 0, g' = g)
+        xhat = d * r      u |xhat_k|: u |xhat_j| on xhat, r u |xhat_j| (|c1| + mean(|xhat| G))
+                          on ds
+        g (ds only)       3 u G_k, G = |w * dy| + |w1 * dy1| (1 + w, two products, a sum):
+                          3 u r (G_j + mean(G) (LayerNorm) + |xhat_j| mean(|xhat| G))
+        c1's, c2's sums   (L + 2) u r |xhat_j| mean(|xhat| G), (L + 1) u r mean(G)
+        the product xhat_j c1, two subtractions and the product with r:
+                          u r (|xhat_j c1| + 2 (G_j + |xhat_j c1| + |c2|)) + u |ds_j|
+    From xhat's bound e_xhat: y gets |w| e_xhat (y1 |w1| e_xhat), d(weight) sum over rows of
+    |dy| e_xhat (d(weight1) with dy1); their own last roundings (the product with w, + b, the
+    sum over rows) are ulps of the result or of a sum that does not cancel here: atol's share.
+    Input gradients are ``ds`` times the stream's linear coefficients (rowscale, dropout's
+    1/(1-p), layerscale; a row sum for layerscale's own gradient): the bound follows them
+    through autograd of the reference's stream on absolute values. Biases get none.
+
+    Each allowance is ROUNDOFF_SAFETY = 2 times (A) + (B). Measured with the CPU interpreter on
+    fp32 streams and values, prenorm aside (its upstream add is atol's), over 700 hypothesis
+    examples (300 fp32 cases with N <= 4, scale 0.01 and eps <= 1e-5, i.e. heavy cancellation;
+    250 drawn as test_fn_matches_reference draws them; 150 with chunked rows): the kernel's
+    errors in y, ds and d(weight) stayed below 0.25 of (A) + (B), PyTorch's (fp32 throughout)
+    below 0.85. Beside cancelling terms the bounds are a few ulps of ``r * |g|`` (of ``|w|``
+    for y), so a wrong formula, whose error is of the order of those scales themselves, stays
+    visible; outside cancellation they are a few times atol (fp32: some 1e-5 of the value).
+
+    Precision: fp32's, the kernels' (and PyTorch's baseline on fp32 inputs). A 16-bit stream is
+    a perturbation of the inputs that kernel and baseline share (the kernel normalises the stream
+    as stored, PyTorch rounds it the same way), so the factor on the baseline's error covers it;
+    a 16-bit output's rounding on store is one ulp of the result, atol's share, as is the
+    prenorm upstream ``d residual_out`` added after the cancellation. Charging the 16-bit eps here
+    would let statistics of a 16-bit stream taken from the unrounded sum pass
+    (``test_stream_rounding_regressions``).
+    """
+    u = 2.0**-24
+    n = stream.shape[-1]
+    big_l = math.ceil(math.log2(n)) if n > 1 else 0
+    layer_norm = not case.is_rms_norm
+
+    def mean(v):
+        return v.mean(-1, keepdim=True)
+
+    def total(v):
+        return v.sum(-1, keepdim=True)
+
+    # The stream on absolute values, differentiable for the propagation to the leaves below.
+    def absolute(v):
+        return v.detach().double().abs().requires_grad_(v.requires_grad)
+
+    tabs, _, s_abs = reference(case, t64, masks, absolute, with_stream=True)
+    s = stream.detach().double()
+    dys, weights = {}, {}
+    g = torch.zeros_like(s)
+    g_abs = torch.zeros_like(s)
+    for out, wname in (("y", "weight"), ("y1", "weight1")):
+        if t64.get(wname) is None:
+            continue
+        w = t64[wname].detach().double() + (1.0 if case.zero_centered_weight else 0.0)
+        weights[out] = w
+        if out in used and out in upstream:
+            dys[wname] = upstream[out].to(s.device, torch.float64)
+            g, g_abs = g + w * dys[wname], g_abs + (w * dys[wname]).abs()
+
+    c2 = mean(g) if layer_norm else torch.zeros_like(mean(g))
+    d = s - mean(s) if layer_norm else s
+    var = mean(d * d)
+    r = torch.rsqrt(var + case.eps)
+    xhat = d * r
+    x_abs = xhat.abs()
+    c1 = mean(xhat * g)
+    q = g - c2 - 3 * xhat * c1
+    ds = r * (g - c2 - xhat * c1)
+    exact = s.numel() * n <= JACOBIAN_MAX_ELEMENTS
+
+    def times_abs(diag, rows, cols, const, delta):
+        """sum_k |J_jk| delta_k for J = diag(diag) + sum_i rows_i[j] cols_i[k] + const."""
+        if exact:
+            jac = const[..., None] + torch.diag_embed(diag.expand_as(s))
+            for a, b in zip(rows, cols):
+                jac = jac + a[..., :, None] * b[..., None, :]
+            return (jac.abs() @ delta[..., None])[..., 0]
+        full = diag + const + sum(a * b for a, b in zip(rows, cols))  # J_jj, exact
+        off = const.abs() * (total(delta) - delta)
+        for a, b in zip(rows, cols):
+            off = off + a.abs() * (total(b.abs() * delta) - b.abs() * delta)
+        return full.abs() * delta + off
+
+    zero = torch.zeros_like(c1)
+
+    def xhat_times(delta, centred):  # sum_k |d xhat_j / d s_k| delta_k (or / d d_k)
+        c = 1.0 / n if centred else 0.0
+        return times_abs(r.expand_as(s), [-r * xhat / n], [xhat], -r * c + zero, delta)
+
+    def ds_times(delta, centred):  # sum_k |d ds_j / d s_k| delta_k (or / d d_k)
+        r2n = r * r / n
+        gk = g - c2 if centred else g
+        const = r2n * c1 if centred else zero
+        return times_abs(-r * r * c1, [-r2n * q, -r2n * xhat], [xhat, gk], const, delta)
+
+    err_s = 4 * u * s_abs.detach()
+    err_r = ((big_l + 2) * u * var + u * (var + case.eps)) / (2 * (var + case.eps)) + 3 * u
+    err_x = xhat_times(err_s, layer_norm) + x_abs * (err_r + u)  # (A), r, xhat = d * r
+    err_ds = ds_times(err_s, layer_norm) + err_r * r * q.abs()
+    if layer_norm:
+        err_mu = (big_l + 1) * u * mean(s.abs())
+        err_d = u * (s.abs() + mean(s).abs())
+        err_x = err_x + r * err_mu + xhat_times(err_d, False)
+        err_ds = err_ds + r * r * (c1 + xhat * c2).abs() * err_mu + ds_times(err_d, False)
+    m_xg = mean(x_abs * g_abs)
+    err_ds = err_ds + r * u * x_abs * (c1.abs() + m_xg)
+    err_ds = err_ds + 3 * u * r * (g_abs + (mean(g_abs) if layer_norm else 0.0) + x_abs * m_xg)
+    err_ds = err_ds + (big_l + 2) * u * r * x_abs * m_xg
+    if layer_norm:
+        err_ds = err_ds + (big_l + 1) * u * r * mean(g_abs)
+    xc1 = (xhat * c1).abs()
+    err_ds = err_ds + u * r * (xc1 + 2 * (g_abs + xc1 + c2.abs())) + u * ds.abs()
+
+    outs = {k: ROUNDOFF_SAFETY * w.abs() * err_x for k, w in weights.items()}
+    grads = {k: ROUNDOFF_SAFETY * (dy.abs() * err_x).reshape(-1, n).sum(0)
+             for k, dy in dys.items()}  # fmt: skip
+    # ds through the stream's linear map to its leaves: autograd of the stream on absolute
+    # values (same masks) gives sum |coefficient| * bound per leaf.
+    names = [k for k in ("x", "residual", "x1", "layerscale") if tabs.get(k) is not None
+             and tabs[k].requires_grad]  # fmt: skip
+    got = torch.autograd.grad(s_abs, [tabs[k] for k in names], ROUNDOFF_SAFETY * err_ds,
+                              allow_unused=True)  # fmt: skip
+    grads.update({k: v for k, v in zip(names, got) if v is not None})
+    return outs, grads
 
 
 def factor_for(case: Case, kernels: bool = True) -> float:
@@ -347,22 +554,25 @@ def check_case(
     def same(v):
         return v.detach().clone().requires_grad_(v.requires_grad)
 
-    t64, truth = reference(case, t, masks, fp64)
+    t64, truth, stream = reference(case, t, masks, fp64, with_stream=True)
     tb, base = reference(case, t, masks, same)
     truth_used = {k: v for k, v in truth.items() if k in used}
     base_used = {k: v for k, v in base.items() if k in used}
     tgrads, bgrads = _grads(truth_used, upstream, t64), _grads(base_used, upstream, tb)
+    out_roundoff, grad_roundoff = rounding_bounds(case, t64, masks, stream, upstream, used)
     factor = factor_for(case, kernels)
     working = (case.dtype, case.wdtype, case.residual_dtype)
     for k in outs:
-        assert_three_way(k, outs[k], truth[k], base[k], factor, working_dtypes=working)
+        assert_three_way(k, outs[k], truth[k], base[k], factor, working_dtypes=working,
+                         roundoff=out_roundoff.get(k))  # fmt: skip
     for k, g in tgrads.items():
         if g is None:  # the input takes no part in the used outputs
             assert kgrads[k] is None or not kgrads[k].any(), f"grad of {k} should be zero"
             continue
         assert kgrads[k] is not None, f"grad of {k} is missing"
         assert kgrads[k].dtype == t[k].dtype, f"grad of {k}: {kgrads[k].dtype} != {t[k].dtype}"
-        assert_three_way(f"grad {k}", kgrads[k], g, bgrads[k], factor, working_dtypes=working)
+        assert_three_way(f"grad {k}", kgrads[k], g, bgrads[k], factor, working_dtypes=working,
+                         roundoff=grad_roundoff.get(k))  # fmt: skip
     return outs, kgrads, masks
 
 
