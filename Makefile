@@ -39,7 +39,8 @@ bench-smoke: setup
 
 lint: setup
 	$(VPY) -m pip install -q ruff
-	$(VPY) -m ruff check fused_norm tests examples bench
+	$(VPY) -m ruff check fused_norm tests examples bench scripts
+	$(VPY) -m ruff format --check fused_norm tests examples bench scripts
 
 clean:
 	rm -rf $(VENV) .ci-venv runs gpu-results .pytest_cache .hypothesis

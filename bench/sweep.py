@@ -67,12 +67,15 @@ def run(workload, n, dtype, device, mode):
     w = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
     b = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
     if workload == "add_rms":
+
         def f():
             return fused_norm.rms_norm_fn(x, w, None, res, prenorm=True)
     elif workload == "ln":
+
         def f():
             return fused_norm.layer_norm_fn(x, w, b)
     elif workload == "rms":
+
         def f():
             return fused_norm.rms_norm_fn(x, w, None)
     elif workload == "parallel":
@@ -83,8 +86,10 @@ def run(workload, n, dtype, device, mode):
             return fused_norm.layer_norm_fn(x, w, b, res, x1=x1, weight1=w1, bias1=b1,
                                             prenorm=True)  # fmt: skip
     else:
+
         def f():
             return fused_norm.layer_norm_fn(x, w, b, res, dropout_p=0.1, prenorm=True)
+
     if mode == "fwd":
         with torch.no_grad():
             ms = bench(f)
@@ -174,9 +179,11 @@ def print_regs():
         for caches in getattr(kern, "device_caches", {}).values():
             for ck in caches[0].values():
                 c = ck.result() if hasattr(ck, "result") else ck
-                print(f"{kern.fn.__name__}: regs={getattr(c, 'n_regs', '?')} "
-                      f"spills={getattr(c, 'n_spills', '?')} shared={c.metadata.shared} "
-                      f"warps={c.metadata.num_warps} maxnreg={c.metadata.maxnreg}")
+                print(
+                    f"{kern.fn.__name__}: regs={getattr(c, 'n_regs', '?')} "
+                    f"spills={getattr(c, 'n_spills', '?')} shared={c.metadata.shared} "
+                    f"warps={c.metadata.num_warps} maxnreg={c.metadata.maxnreg}"
+                )
 
 
 def main():
@@ -224,9 +231,12 @@ def main():
         ints(args.ns), args.workloads.split(","), args.modes.split(",")
     ):
         if mode == "fwd":
-            variants = [(fw, None, None, None, fr, sp, mr) for fw, fr, sp, mr in
-                        itertools.product(ints(args.fwd_warps), ints(args.fwd_rows), splits,
-                                          ints(args.fwd_maxnreg))]
+            variants = [
+                (fw, None, None, None, fr, sp, mr)
+                for fw, fr, sp, mr in itertools.product(
+                    ints(args.fwd_warps), ints(args.fwd_rows), splits, ints(args.fwd_maxnreg)
+                )
+            ]
         else:
             variants = list(itertools.product([None], ints(args.bwd_warps),
                                               ints(args.bwd_warps_per_sm),
@@ -265,9 +275,11 @@ def main():
                     bn, nc = config.block_config(n, 2)
                 warps = (config.fwd_split_warps(bool(plain)) if split > 1
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
-                desc = (f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
-                        f"split={bn}x{split} "
-                        f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2, device)}")
+                desc = (
+                    f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
+                    f"split={bn}x{split} "
+                    f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2, device)}"
+                )
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)

@@ -69,8 +69,8 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     """
     if num_chunks > 1:
         return 32
-    warps = max(block_n // 256, 1) if block_n <= 1024 else {2048: 4, 4096: 8, 8192: 8}.get(
-        block_n, 16
+    warps = (
+        max(block_n // 256, 1) if block_n <= 1024 else {2048: 4, 4096: 8, 8192: 8}.get(block_n, 16)
     )
     if (plain == "ln" and 1024 <= block_n <= 4096) or (plain == "rms" and block_n == 1024):
         warps //= 2

@@ -476,9 +476,7 @@ def _row_grads(
         w1 = tl.load(W1 + cols, mask=col_mask, other=0.0).to(tl.float32)
         if ZERO_CENTERED_WEIGHT:
             w1 = tl.where(col_mask, w1 + 1.0, 0.0)
-        dy1 = tl.load(DY1 + row * stride_dy1_row + cols, mask=col_mask, other=0.0).to(
-            tl.float32
-        )
+        dy1 = tl.load(DY1 + row * stride_dy1_row + cols, mask=col_mask, other=0.0).to(tl.float32)
         wdy += w1 * dy1
     return xhat, dy, dy1, wdy
 

@@ -127,8 +127,9 @@ class Launcher:
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
 
-    def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None,
-                 maxnreg=None):
+    def __call__(
+        self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None, maxnreg=None
+    ):
         """Launch; ``on_miss`` is called first when this configuration has not been launched
         yet (it will compile), e.g. to start compiling the backward meanwhile."""
         options = _options(num_warps, num_stages, maxnreg)
@@ -147,7 +148,8 @@ class Launcher:
             if pending is not None:
                 pending.result()  # a compile of this very kernel is under way: wait for it
             compiled = self._jit(grid, device, args, constexprs, options)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile
+            if hasattr(compiled, "result"):  # an asynchronous compile
+                compiled = compiled.result()
             if list(constexprs) != self.constexpr_names:
                 raise AssertionError(f"constexprs out of order: {list(constexprs)}")
             hit = (compiled.run, compiled.function, compiled.packed_metadata)
@@ -169,8 +171,14 @@ class Launcher:
         arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
         if not (self.fast and device.type == "cuda"):
             return
-        key = (device.index, num_warps, num_stages, tuple(constexprs.values()), arg_key(args),
-               maxnreg)
+        key = (
+            device.index,
+            num_warps,
+            num_stages,
+            tuple(constexprs.values()),
+            arg_key(args),
+            maxnreg,
+        )
         if key in self.cache or key in self.pending:
             return
         options = _options(num_warps, num_stages, maxnreg)

@@ -50,7 +50,9 @@ def _check_tensor(name, t, shape, device, dtypes, optional=True):
     if t.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}; put all tensors on one device")
+        raise ValueError(
+            f"{name} is on {t.device} but x is on {device}; put all tensors on one device"
+        )
 
 
 def _is_real(v) -> bool:
@@ -72,7 +74,9 @@ def check_args(
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"x must have a floating dtype in ({names}), got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}"
+        )
     n, dev = x.shape[-1], x.device
     _check_tensor("weight", weight, (n,), dev, dtypes, optional=False)
     _check_tensor("bias", bias, (n,), dev, dtypes)
@@ -158,7 +162,8 @@ def _fwd_run(
         rows = config.fwd_rows_per_program(block_n, num_chunks)
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(
-            block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else "")
+            block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else ""
+        )
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -291,7 +296,8 @@ def _bwd_run(
     dev = s.device
     if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
         sums_block, sums_chunks = config.block_config(
-            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES)
+            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES
+        )
         (_SUMS.warm if warm else _SUMS)(
             (m,), dev,
             (s, dy, dy1, weight, weight1, mean, rstd, c12, s.stride(0), dy.stride(0),

@@ -582,8 +582,12 @@ class max_block_bytes:
     forcing the chunked forward, the backward's column blocks and its row-sums pre-pass; None
     leaves them alone. Restored on exit, also on failure."""
 
-    NAMES = ("MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES", "BWD_MAX_BLOCK_BYTES_MULTI",
-             "BWD_TILE_BYTES")
+    NAMES = (
+        "MAX_BLOCK_BYTES",
+        "BWD_MAX_BLOCK_BYTES",
+        "BWD_MAX_BLOCK_BYTES_MULTI",
+        "BWD_TILE_BYTES",
+    )
 
     def __init__(self, value: Optional[int]):
         self.value = value

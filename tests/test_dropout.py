@@ -147,7 +147,9 @@ def test_drop_probability_has_16_bit_resolution(device):
     nothing."""
     x = torch.randn(32, 2048, device=device)
     half = _call(x, p=0.5)[2]
-    assert torch.equal(half, _call(x, p=0.5 + 2**-18)[2]), "p within one 2**-16 step changed the mask"
+    assert torch.equal(half, _call(x, p=0.5 + 2**-18)[2]), (
+        "p within one 2**-16 step changed the mask"
+    )
     moved = _call(x, p=0.5 + 2**-12)[2]  # 16 steps: ~16/65536 of the elements flip, ~16 here
     assert not torch.equal(half, moved), "p 16 steps higher drew the same mask"
     assert bool((half | ~moved).all()), "raising p must only drop more elements"

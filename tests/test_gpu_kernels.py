@@ -43,8 +43,10 @@ MATRIX = (
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]
     + [("drop_add_ln_prenorm_fp32res", 32768, FP32)]
     + [("x1_w1", n, FP16) for n in (768, 12288, 65536)]
-    + [("drop_add_ln_prenorm", n, d) for n, d in ((1024, BF16), (12288, FP16), (16384, BF16),
-                                                  (65536, BF16))]
+    + [
+        ("drop_add_ln_prenorm", n, d)
+        for n, d in ((1024, BF16), (12288, FP16), (16384, BF16), (65536, BF16))
+    ]
     # Narrow rows: eight rows per forward program (the last program partly empty: _rows is odd).
     + [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm_fp32res") for n in (100, 256)]
 )
@@ -222,4 +224,3 @@ def test_gpu_split_rows_many_programs():
     xf = x.float()
     ref = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-6)
-
