@@ -22,20 +22,9 @@ for dtype in [torch.float32, torch.bfloat16]:
             w, b, w1, b1 = mk(N), mk(N), mk(N), mk(N)
             rs = torch.rand(M, device=dev)
             p = 0.2
+            flags = dict(dropout_p=p, rowscale=rs, prenorm=True, is_rms_norm=is_rms)
             y, y1, r, m, m1 = layer_norm_fn(
-                x,
-                w,
-                b,
-                res,
-                x1,
-                w1,
-                b1,
-                dropout_p=p,
-                rowscale=rs,
-                prenorm=True,
-                return_dropout_mask=True,
-                is_rms_norm=is_rms,
-                residual_in_fp32=True,
+                x, w, b, res, x1, w1, b1, **flags, return_dropout_mask=True, residual_in_fp32=True
             )
             ref = rms_norm_ref if is_rms else layer_norm_ref
             leaves = [x, res, x1, w, b, w1, b1]
@@ -44,20 +33,11 @@ for dtype in [torch.float32, torch.bfloat16]:
                 (y.float() * dy).sum() + (y1.float() * dy1).sum() + (r.float() * dr).sum(), leaves
             )
             xd = [t.detach().double().requires_grad_() for t in leaves]
+            xr, resr, x1r, wr, br, w1r, b1r = xd
             yr, y1r, rr = ref(
-                xd[0],
-                xd[3],
-                xd[4],
-                xd[1],
-                xd[2],
-                xd[5],
-                xd[6],
-                dropout_p=p,
-                rowscale=rs.double(),
-                prenorm=True,
-                dropout_mask=m,
-                dropout_mask1=m1,
-            )
+                xr, wr, br, resr, x1r, w1r, b1r, dropout_p=p, rowscale=rs.double(), prenorm=True,
+                dropout_mask=m, dropout_mask1=m1,
+            )  # fmt: skip
             gr = torch.autograd.grad(
                 (yr * dy.double()).sum() + (y1r * dy1.double()).sum() + (rr * dr.double()).sum(), xd
             )
