@@ -275,10 +275,11 @@ def main():
                     bn, nc = config.block_config(n, 2)
                 warps = (config.fwd_split_warps(bool(plain)) if split > 1
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
+                drop, x1 = workload == "drop_add_ln", workload == "parallel"
+                maxnreg = config.fwd_maxnreg(bn, nc, split, drop, x1, 2, device)
                 desc = (
                     f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
-                    f"split={bn}x{split} "
-                    f"maxnreg={config.fwd_maxnreg(bn, nc, split, workload == 'drop_add_ln', workload == 'parallel', 2, device)}"
+                    f"split={bn}x{split} maxnreg={maxnreg}"
                 )
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)

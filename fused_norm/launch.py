@@ -111,6 +111,21 @@ def _options(num_warps, num_stages, maxnreg) -> dict:
     return options
 
 
+def _hooked() -> bool:
+    """Launch hooks (e.g. a profiler's) or Triton's debug mode are on: they act only inside
+    ``kernel[grid]``, so the launch must go through it."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(
+        getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_) or knobs.runtime.debug
+    )
+
+
+def _key(device, num_warps, num_stages, constexpr_values, args, maxnreg) -> tuple:
+    """The cache key of one compiled kernel: a launch and a warm-up that will use the same
+    binary must build the same key (the tests read its entries by position)."""
+    return (device.index, num_warps, num_stages, constexpr_values, arg_key(args), maxnreg)
+
+
 class Launcher:
     """``launcher(grid, device, args, constexprs, num_warps, num_stages, maxnreg)`` launches
     ``kernel`` (``maxnreg``: a cap on registers per thread, or None).
@@ -132,14 +147,12 @@ class Launcher:
     ):
         """Launch; ``on_miss`` is called first when this configuration has not been launched
         yet (it will compile), e.g. to start compiling the backward meanwhile."""
-        options = _options(num_warps, num_stages, maxnreg)
-        if not (self.fast and device.type == "cuda"):
-            return self._jit(grid, device, args, constexprs, options)
-        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_) or knobs.runtime.debug:
-            return self._jit(grid, device, args, constexprs, options)
+        if not (self.fast and device.type == "cuda") or _hooked():
+            return self._jit(
+                grid, device, args, constexprs, _options(num_warps, num_stages, maxnreg)
+            )
         values = tuple(constexprs.values())
-        key = (device.index, num_warps, num_stages, values, arg_key(args), maxnreg)
+        key = _key(device, num_warps, num_stages, values, args, maxnreg)
         hit = self.cache.get(key)
         if hit is None:
             if on_miss is not None:
@@ -147,6 +160,7 @@ class Launcher:
             pending = self.pending.pop(key, None)
             if pending is not None:
                 pending.result()  # a compile of this very kernel is under way: wait for it
+            options = _options(num_warps, num_stages, maxnreg)
             compiled = self._jit(grid, device, args, constexprs, options)
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
@@ -171,14 +185,7 @@ class Launcher:
         arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
         if not (self.fast and device.type == "cuda"):
             return
-        key = (
-            device.index,
-            num_warps,
-            num_stages,
-            tuple(constexprs.values()),
-            arg_key(args),
-            maxnreg,
-        )
+        key = _key(device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg)
         if key in self.cache or key in self.pending:
             return
         options = _options(num_warps, num_stages, maxnreg)
