@@ -221,7 +221,8 @@ def main():
 
     orig = (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
             config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES, config.BWD_MAX_BLOCK_BYTES_MULTI,
-            config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
+            config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
+            config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
             config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps, config.fwd_maxnreg,
             config.bwd_maxnreg)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
@@ -259,7 +260,9 @@ def main():
             if maxb:
                 config.BWD_MAX_BLOCK_BYTES = config.BWD_MAX_BLOCK_BYTES_MULTI = maxb
             if mode == "fwd":
-                config.FWD_ROWS_PER_PROGRAM = gb or config.FWD_ROWS_PER_PROGRAM
+                if gb:  # an explicit row count applies to every row width in one block
+                    config.FWD_ROWS_PER_PROGRAM = gb
+                    config.FWD_ROWS_MAX_N = config.FWD_ROWS_MAX_N_PLAIN = 1 << 30
             elif gb:
                 config.BWD_TILE_BYTES = gb
             if mode == "fwd" and st:
@@ -273,18 +276,18 @@ def main():
                 nc = 1
                 if split == 1:
                     bn, nc = config.block_config(n, 2)
-                warps = (config.fwd_split_warps(bool(plain)) if split > 1
+                warps = (config.fwd_split_warps(plain, split) if split > 1
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
                 drop, x1 = workload == "drop_add_ln", workload == "parallel"
                 maxnreg = config.fwd_maxnreg(bn, nc, split, drop, x1, 2, device)
                 desc = (
-                    f"warps={warps} rows={config.fwd_rows_per_program(bn, nc)} "
+                    f"warps={warps} rows={config.fwd_rows_per_program(bn, nc, plain)} "
                     f"split={bn}x{split} maxnreg={maxnreg}"
                 )
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
-                desc = (f"warps={config.bwd_num_warps(bn, partials)} wps={config.BWD_WARPS_PER_SM} "
+                desc = (f"warps={config.bwd_num_warps(bn, partials, workload == 'drop_add_ln')} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
                         f"maxnreg={config.bwd_maxnreg(bn, nc, workload == 'drop_add_ln', partials, device)}")  # fmt: skip
             try:
@@ -296,7 +299,8 @@ def main():
                 (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
                  config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
                  config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
-                 config.FWD_ROWS_PER_PROGRAM, config.FWD_SPLIT_MIN_BYTES,
+                 config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
+                 config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
                  config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
                  config.fwd_maxnreg, config.bwd_maxnreg) = orig  # fmt: skip
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,

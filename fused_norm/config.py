@@ -69,6 +69,8 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     """
     if num_chunks > 1:
         return 32
+    if plain and block_n == 512:  # 4 rows per program (fwd_rows_per_program): 1 warp, NOTES #26
+        return 1
     warps = (
         max(block_n // 256, 1) if block_n <= 1024 else {2048: 4, 4096: 8, 8192: 8}.get(block_n, 16)
     )
@@ -146,10 +148,15 @@ def fwd_split(n_cols: int, elem_bytes: int, device: torch.device) -> tuple[int, 
     return block_n, split
 
 
-def fwd_split_warps(plain: bool) -> int:
-    """Warps per split part: FWD_SPLIT_WARPS, half that for a norm of x alone (half the bytes
-    per column)."""
-    return max(FWD_SPLIT_WARPS // 2, 1) if plain else FWD_SPLIT_WARPS
+def fwd_split_warps(plain: str, split: int) -> int:
+    """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is
+    "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts, whose two
+    reductions before the exchange go faster on more warps (bench/NOTES.md #25: 64K columns in
+    bf16, 2 -> 4 warps, 58 -> 64% of copy on an H200 and 73 -> 77% on an H100; at 128K-256K
+    within 2 points, and RMSNorm loses 1-5 points with 4)."""
+    if plain == "rms" or (plain == "ln" and split > 16):
+        return max(FWD_SPLIT_WARPS // 2, 1)
+    return FWD_SPLIT_WARPS
 
 
 # Whether Triton runs the kernels in its CPU interpreter: it decides when the kernels are
@@ -169,21 +176,39 @@ def split_rows_ok(device: torch.device) -> bool:
 # 2026-11-22 (H200, bf16, N = 256): 8 rows per program 80% of copy vs 41% with one (LayerNorm),
 # 90% vs 79% (dropout + add + LayerNorm); at 1K-4K more rows per program lost 1-14 points, and
 # software-pipelining the row loop (tl.range num_stages=3) lost 10-60 points everywhere.
-FWD_ROWS_PER_PROGRAM = 8
+# Sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #26): 4 rows beat 8 by about a point at N = 256
+# for every workload; at N = 512 4 rows with one warp lift the plain norms from 80% to 94%
+# (LayerNorm) and 96% (RMSNorm), but cost the workloads with a residual 3 points (they move
+# twice the bytes per row and already reach 97-100% with one row per program).
+FWD_ROWS_PER_PROGRAM = 4
+FWD_ROWS_MAX_N = 256  # widest row (columns) that always takes several rows per program
+FWD_ROWS_MAX_N_PLAIN = 512  # the same for a norm of x alone
 
 
-def fwd_rows_per_program(block_n: int, num_chunks: int) -> int:
-    """Rows per forward program: FWD_ROWS_PER_PROGRAM for rows of <= 256 columns, else 1."""
-    return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= 256 else 1
+def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
+    """Rows per forward program: FWD_ROWS_PER_PROGRAM for rows of <= FWD_ROWS_MAX_N columns
+    (FWD_ROWS_MAX_N_PLAIN when ``plain``, a norm of x alone), else 1."""
+    widest = FWD_ROWS_MAX_N_PLAIN if plain else FWD_ROWS_MAX_N
+    return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= widest else 1
 
 
-def bwd_num_warps(block_n: int, partials: int = 1) -> int:
+def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False) -> int:
     """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
     Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
     dropout spilled registers at 16 warps), 16 for 8K chunks. With four partials (two weights
     and two biases: the x1 path) 2 warps at 1K-2K: 67% / 70% of copy vs 52% / 58% with 4
-    (sweep of 2026-11-22, third session; at 4K 2 warps fell to 17%)."""
+    (sweep of 2026-11-22, third session; at 4K 2 warps fell to 17%).
+
+    Narrow rows (bench/NOTES.md #26, H200, bf16, 2026-11-23): 1 warp at 256 columns
+    (LayerNorm 39 -> 84%, add + RMSNorm 42 -> 94%) and 2 at 512 (61 -> 82%, 66 -> 89%), so
+    that 8-16 times more rows are in flight per SM and the row sums stay within a warp; with
+    dropout 2 at 256 (35 -> 65%; 1 warp: 41%) and 4 kept at 512; the x1 path 1 at <= 512
+    (256: 59 -> 64%, 512: 53 -> 71%)."""
     if partials >= 4 and block_n <= 2048:
+        return 1 if block_n <= 512 else 2
+    if block_n <= 256:
+        return 2 if dropout else 1
+    if block_n <= 512 and not dropout:
         return 2
     return min(max(block_n // 512, 4), 32)
 

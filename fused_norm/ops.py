@@ -149,21 +149,22 @@ def _fwd_run(
         return
     elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
     dev = x.device
-    plain = x1 is None and residual is None and dropout_p == 0.0
+    # "ln" / "rms" for a norm of x alone (no residual, x1 or dropout), which moves half the bytes
+    plain = ""
+    if x1 is None and residual is None and dropout_p == 0.0:
+        plain = "rms" if is_rms_norm else "ln"
     block_n, split = config.fwd_split(n, elem_bytes, dev)
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
-        num_warps = config.fwd_split_warps(plain)
+        num_warps = config.fwd_split_warps(plain, split)
     else:
         block_n, num_chunks = config.block_config(n, elem_bytes)
-        rows = config.fwd_rows_per_program(block_n, num_chunks)
+        rows = config.fwd_rows_per_program(block_n, num_chunks, plain)
         grid = (config.cdiv(m, rows),)
-        num_warps = config.fwd_num_warps(
-            block_n, num_chunks, ("rms" if is_rms_norm else "ln") if plain else ""
-        )
+        num_warps = config.fwd_num_warps(block_n, num_chunks, plain)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -335,7 +336,7 @@ def _bwd_run(
         HAS_DROPOUT=dropout_p > 0.0,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
-    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials)
+    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials, dropout_p > 0.0)
     maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
     if warm:
         _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
@@ -402,7 +403,7 @@ def fused_norm_bwd(
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
-    warps = config.bwd_num_warps(block_n, partials)
+    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0)
     programs = config.bwd_num_programs(m, dev, warps, num_chunks)
 
     def part(present):
