@@ -47,8 +47,10 @@ MATRIX = (
         ("drop_add_ln_prenorm", n, d)
         for n, d in ((1024, BF16), (12288, FP16), (16384, BF16), (65536, BF16))
     ]
-    # Narrow rows: eight rows per forward program (the last program partly empty: _rows is odd).
+    # Narrow rows: several rows per forward program (the last program partly empty: _rows is
+    # odd), 1-2 warps per backward program; plain norms take several rows up to 512 columns.
     + [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm_fp32res") for n in (100, 256)]
+    + [("ln", 400, BF16), ("rms", 512, BF16), ("x1_w1", 512, BF16), ("add_rms_prenorm", 512, BF16)]
 )
 
 
