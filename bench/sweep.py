@@ -270,6 +270,7 @@ def main():
                 config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_BLOCK_BYTES if st == -1 else st
             elif st:
                 config.bwd_row_stages = lambda *a, _s=st: _s
+            drop = workload == "drop_add_ln"
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
                 bn, split = config.fwd_split(n, 2, device)
@@ -278,8 +279,7 @@ def main():
                     bn, nc = config.block_config(n, 2)
                 warps = (config.fwd_split_warps(plain, split) if split > 1
                          else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
-                drop, x1 = workload == "drop_add_ln", workload == "parallel"
-                maxnreg = config.fwd_maxnreg(bn, nc, split, drop, x1, 2, device)
+                maxnreg = config.fwd_maxnreg(bn, nc, split, drop, workload == "parallel", 2, device)
                 desc = (
                     f"warps={warps} rows={config.fwd_rows_per_program(bn, nc, plain)} "
                     f"split={bn}x{split} maxnreg={maxnreg}"
@@ -287,9 +287,9 @@ def main():
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
-                desc = (f"warps={config.bwd_num_warps(bn, partials, workload == 'drop_add_ln')} wps={config.BWD_WARPS_PER_SM} "
+                desc = (f"warps={config.bwd_num_warps(bn, partials, drop)} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
-                        f"maxnreg={config.bwd_maxnreg(bn, nc, workload == 'drop_add_ln', partials, device)}")  # fmt: skip
+                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""

@@ -69,7 +69,7 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     """
     if num_chunks > 1:
         return 32
-    if plain and block_n == 512:  # 4 rows per program (fwd_rows_per_program): 1 warp, NOTES #26
+    if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)
         return 1
     warps = (
         max(block_n // 256, 1) if block_n <= 1024 else {2048: 4, 4096: 8, 8192: 8}.get(block_n, 16)
