@@ -10,7 +10,8 @@ Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-wa
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
        [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--fwd-rows 1,8] [--workloads ln,...]
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
-       splitting every row wider than one part)
+       splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
+       power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ def main():
     ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
     ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
     ap.add_argument("--fwd-maxnreg", default="auto", help="register caps of the forward")
+    ap.add_argument(
+        "--tail",
+        default="auto",
+        help="auto, on, off (comma-separated): config.TAIL_BLOCKS measured/True/False",
+    )
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -228,8 +234,8 @@ def main():
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
-    for n, workload, mode in itertools.product(
-        ints(args.ns), args.workloads.split(","), args.modes.split(",")
+    for n, workload, mode, tail in itertools.product(
+        ints(args.ns), args.workloads.split(","), args.modes.split(","), args.tail.split(",")
     ):
         if mode == "fwd":
             variants = [
@@ -246,6 +252,7 @@ def main():
                                               ints(args.bwd_stages),
                                               ints(args.bwd_maxnreg)))  # fmt: skip
         for fw, bw, wps, maxb, gb, st, mr in variants:
+            config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -277,19 +284,23 @@ def main():
                 nc = 1
                 if split == 1:
                     bn, nc = config.block_config(n, 2)
+                tl_ = config.fwd_block_tail(n, bn, nc)[1] if split == 1 else 0
                 warps = (config.fwd_split_warps(plain, split) if split > 1
-                         else config.fwd_num_warps(bn, nc, plain))  # fmt: skip
+                         else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(bn, nc, split, drop, workload == "parallel", 2, device)
                 desc = (
                     f"warps={warps} rows={config.fwd_rows_per_program(bn, nc, plain)} "
-                    f"split={bn}x{split} maxnreg={maxnreg}"
+                    f"split={bn}x{split} maxnreg={maxnreg} "
+                    f"tail={tl_}"
                 )
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc = config.bwd_block_config(n, 2, partials)
-                desc = (f"warps={config.bwd_num_warps(bn, partials, drop)} wps={config.BWD_WARPS_PER_SM} "
+                tl_ = config.bwd_block_tail(n, bn, nc, partials, drop)[1]
+                desc = (f"warps={config.bwd_num_warps(bn, partials, drop, tl_)} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
-                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)}")  # fmt: skip
+                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
+                        f"tail={tl_}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, torch.bfloat16, device, mode)
                 err = ""
@@ -303,6 +314,7 @@ def main():
                  config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
                  config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
                  config.fwd_maxnreg, config.bwd_maxnreg) = orig  # fmt: skip
+                config.TAIL_BLOCKS = "measured"
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

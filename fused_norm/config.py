@@ -55,7 +55,58 @@ def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int,
     return block_n, cdiv(n_cols, block_n)
 
 
-def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
+# One-block rows whose width is not a power of two may be held as two power-of-two blocks,
+# BLOCK_N then TAIL_N columns (5120 = 4096 + 1024, 12288 = 8192 + 4096), instead of one block
+# padded to the next power of two, whose padding takes registers (fewer rows in flight) and,
+# with dropout, random numbers; but every row sum then takes two reductions. Graph-replay
+# sweeps of 2026-11-23 (H200, bf16, bench/NOTES.md #27), two blocks vs the padded block, each
+# at its best warp count: forward at 2560 / 5120 / 12288 columns, dropout + add + LayerNorm
+# 87 -> 99% / 83 -> 99% / 89 -> 94% of copy, LayerNorm 86 -> 88% / 81 -> 94% / 77 -> 90%,
+# RMSNorm 100 -> 100% / 93 -> 99% / 92 -> 98%; narrower rows lost (768 columns: dropout + LN
+# 76 -> 53%). Backward at 5120: dropout + add + LayerNorm 63 -> 84%, LayerNorm 61 -> 80%, the
+# x1 path 59 -> 65%, RMSNorm 77 -> 81%; but at 3072 RMSNorm lost 91 -> 85% and at 12288 84 ->
+# 77%. So: TAIL_BLOCKS = "measured" takes two blocks only where the padded block is one of
+# FWD_TAIL_BLOCKS / BWD_TAIL_BLOCKS; True wherever two blocks are narrower (the CPU tests),
+# False never (the sweep compares them).
+TAIL_BLOCKS = "measured"
+FWD_TAIL_BLOCKS = (4096, 8192, 16384)
+BWD_TAIL_BLOCKS = (8192,)
+
+
+def block_tail(n_cols: int, block_n: int, num_chunks: int, measured=()) -> tuple[int, int]:
+    """(BLOCK_N, TAIL_N) of a row of ``n_cols`` columns in one padded block of ``block_n``:
+    the largest power of two below ``n_cols`` and the next power of two of what remains, where
+    the two together are narrower than ``block_n`` (and, under TAIL_BLOCKS = "measured",
+    ``block_n`` is in ``measured``); else ``(block_n, 0)``. Both are at least 16 and 8 columns
+    (dropout draws its random numbers for eight columns at a time)."""
+    main = block_n // 2
+    if not TAIL_BLOCKS or num_chunks != 1 or main < 16 or n_cols <= main:
+        return block_n, 0
+    if TAIL_BLOCKS == "measured" and block_n not in measured:
+        return block_n, 0
+    tail = max(next_power_of_2(n_cols - main), 8)
+    return (main, tail) if main + tail < block_n else (block_n, 0)
+
+
+def fwd_block_tail(n_cols: int, block_n: int, num_chunks: int) -> tuple[int, int]:
+    """:func:`block_tail` of the forward."""
+    return block_tail(n_cols, block_n, num_chunks, FWD_TAIL_BLOCKS)
+
+
+def bwd_block_tail(
+    n_cols: int, block_n: int, num_chunks: int, partials: int = 1, dropout: bool = False
+) -> tuple[int, int]:
+    """:func:`block_tail` of the backward (``partials``: its parameter-gradient vectors). With
+    dropout or four partials (the x1 path) only a tail of at most a quarter of the main block
+    is measured to pay: at 6144 columns (4096 + 2048) dropout + add + LayerNorm fell from 75%
+    to 57% of copy and the x1 path from 58% to 51% (bench/NOTES.md #27)."""
+    main, tail = block_tail(n_cols, block_n, num_chunks, BWD_TAIL_BLOCKS)
+    if tail and TAIL_BLOCKS == "measured" and (dropout or partials >= 4) and 4 * tail > main:
+        return block_n, 0
+    return main, tail
+
+
+def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0) -> int:
     """Warps per forward program (one row each). ``plain`` is "ln" or "rms" for a norm of x
     alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer.
 
@@ -66,9 +117,16 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "") -> int:
     add+RMS gained 2 points at 64K but LayerNorm, RMSNorm and the x1 path lost 5-9). Plain
     norms: 2 warps at 1K (LayerNorm 93% vs 80% with 4, RMSNorm 100% vs 97%), LayerNorm 4 at 4K
     (97% vs 85% with 8; RMSNorm keeps 8: 99.7% vs 97%), 16 at 16K for both.
+
+    Two blocks (``tail`` > 0: block_tail), by the padded width (bench/NOTES.md #27): 4 warps
+    at 4096-8192 (dropout + add + LayerNorm at 5120: 99% vs 90% with 8; 2560: 99% vs 78%), 16
+    at 16384 (12288: 94% vs 65% with 8; RMSNorm 98% vs 92%), plain LayerNorm 8 there (90% vs
+    74% with 16).
     """
     if num_chunks > 1:
         return 32
+    if tail:  # two blocks (block_tail), by the padded width: the sweeps of TAIL_BLOCKS
+        return 8 if plain == "ln" and block_n == 16384 else {16384: 16}.get(block_n, 4)
     if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)
         return 1
     warps = (
@@ -192,7 +250,7 @@ def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
     return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= widest else 1
 
 
-def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False) -> int:
+def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False, tail: int = 0) -> int:
     """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
     Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
     dropout spilled registers at 16 warps), 16 for 8K chunks. With four partials (two weights
@@ -203,7 +261,13 @@ def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False) -> int
     (LayerNorm 39 -> 84%, add + RMSNorm 42 -> 94%) and 2 at 512 (61 -> 82%, 66 -> 89%), so
     that 8-16 times more rows are in flight per SM and the row sums stay within a warp; with
     dropout 2 at 256 (35 -> 65%; 1 warp: 41%) and 4 kept at 512; the x1 path 1 at <= 512
-    (256: 59 -> 64%, 512: 53 -> 71%)."""
+    (256: 59 -> 64%, 512: 53 -> 71%).
+
+    Two blocks of a padded 8192 (``tail`` > 0, bench/NOTES.md #27, 5120 columns): 16 warps with
+    one partial (RMSNorm 81% vs 68% with 8), 4 with two (dropout + add + LayerNorm 84% vs 72%
+    with 8, LayerNorm 80% vs 64%), 8 with four (the x1 path 65% vs 54% with 4)."""
+    if tail:  # two blocks of a padded 8192 (BWD_TAIL_BLOCKS), from the sweeps of TAIL_BLOCKS
+        return 16 if partials == 1 else (8 if partials >= 4 else 4)
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
     if block_n <= 256:

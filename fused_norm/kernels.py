@@ -3,10 +3,13 @@ backward's row-sums pre-pass for rows wider than one block.
 
 Design notes
 ------------
-* Forward, one program per row (eight for rows of <= 256 columns). The row is read once: every optional input is combined into the
-  fp32 pre-norm sum ``s`` in registers, ``s`` is stored as the residual stream if asked, the
-  statistics are taken from the fp32 ``s`` (two-pass mean/variance over registers, which is as
-  accurate as Welford and cheaper), and ``y = xhat * w + b`` is written.
+* Forward, one program per row (four for narrow rows: config.fwd_rows_per_program). The row is
+  read once: every optional input is combined into the fp32 pre-norm sum ``s`` in registers,
+  ``s`` is stored as the residual stream if asked, the statistics are taken from the fp32 ``s``
+  (two-pass mean/variance over registers, which is as accurate as Welford and cheaper), and
+  ``y = xhat * w + b`` is written. A row whose width is
+  not a power of two may be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N``
+  columns, instead of one padded block (``config.block_tail``); the backward likewise.
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
   the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
   Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
@@ -120,13 +123,15 @@ def _fwd_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
     MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
     stride_y1_row, stride_res_out_row, M, N, eps, dropout_p,
-    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    """The forward of one row held whole in registers (NUM_CHUNKS == 1)."""
+    """The forward of one row held whole in registers (NUM_CHUNKS == 1): columns
+    ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
+    (5120 columns as 4096 + 1024 instead of one block padded to 8192: config.block_tail)."""
     col_mask = cols < N
     s = _combine_inputs(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
@@ -134,19 +139,36 @@ def _fwd_row(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
+    if TAIL_N > 0:
+        tcols = BLOCK_N + tl.arange(0, TAIL_N)
+        tmask = tcols < N
+        t = _combine_inputs(
+            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+            row, BLOCK_N, tcols, tmask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+            dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+            HAS_DROPOUT, STORE_MASK,
+        )  # fmt: skip
     if STORE_RESIDUAL_OUT:
         tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
         # Normalise the stream as stored (rounded to its dtype): the backward and the
         # next layer see that tensor; statistics of the unrounded sum would not match.
         s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
-    if IS_RMS_NORM:
-        var = tl.sum(s * s, axis=0) / N
-    else:
-        mean = tl.sum(s, axis=0) / N
+        if TAIL_N > 0:
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, t, mask=tmask)
+            t = t.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
+    if not IS_RMS_NORM:
+        total = tl.sum(s, axis=0)
+        if TAIL_N > 0:
+            total += tl.sum(t, axis=0)
+        mean = total / N
         s = tl.where(col_mask, s - mean, 0.0)
-        var = tl.sum(s * s, axis=0) / N
+        if TAIL_N > 0:
+            t = tl.where(tmask, t - mean, 0.0)
         tl.store(MEAN + row, mean)
-    rstd = 1.0 / tl.sqrt(var + eps)
+    squares = tl.sum(s * s, axis=0)
+    if TAIL_N > 0:
+        squares += tl.sum(t * t, axis=0)
+    rstd = 1.0 / tl.sqrt(squares / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
@@ -154,6 +176,13 @@ def _fwd_row(
     if HAS_W1:
         _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
                          HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if TAIL_N > 0:
+        that = t * rstd
+        _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row,
+                         HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+        if HAS_W1:
+            _normalize_store(that, tcols, tmask, row, W1, B1, Y1, stride_y1_row,
+                             HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -353,6 +382,7 @@ def _fused_norm_fwd_kernel(
     dropout_p,     # drop probability (if HAS_DROPOUT)
     max_polls,     # reads of the statistics words a split part waits for before computing them
     BLOCK_N: tl.constexpr,        # columns per chunk (power of two)
+    TAIL_N: tl.constexpr,         # one-block rows: a second block after BLOCK_N (0: none)
     NUM_CHUNKS: tl.constexpr,     # cdiv(N, BLOCK_N); 1 keeps the whole row in registers
     IS_RMS_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -389,7 +419,7 @@ def _fused_norm_fwd_kernel(
                 X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
                 MASK, MASK1, MEAN, RSTD, row0, cols, stride_x_row, stride_y_row, stride_res_row,
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
-                IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
+                TAIL_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
                 HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
         else:  # narrow rows, several per program
@@ -398,7 +428,7 @@ def _fused_norm_fwd_kernel(
                     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
                     MASK, MASK1, MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row,
                     stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
-                    IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
+                    TAIL_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
                     HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
     else:
@@ -514,6 +544,62 @@ def _input_grads(
 
 
 @triton.jit
+def _param_grads(dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
+                 HAS_B1: tl.constexpr):  # fmt: skip
+    """One row's terms added to the partial parameter gradients of a column block."""
+    dw += dy * xhat
+    if HAS_BIAS:
+        db += dy
+    if HAS_W1:
+        dw1 += dy1 * xhat
+        if HAS_B1:
+            db1 += dy1
+    return dw, db, dw1, db1
+
+
+@triton.jit
+def _block_input_grads(
+    xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0, LAYERSCALE,
+    ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row, stride_dx_row,
+    stride_dx1_row, stride_dres_row, dropout_p,
+    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """ds of one row's column block from its row sums c1, c2, then its input gradients
+    (``_input_grads``); returns the block's d(layerscale) terms."""
+    if IS_RMS_NORM:
+        ds = (wdy - xhat * c1) * rstd
+    else:
+        ds = (wdy - (xhat * c1 + c2)) * rstd
+    if HAS_DRESIDUAL_OUT:
+        ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=col_mask,
+                      other=0.0).to(tl.float32)  # fmt: skip
+    return _input_grads(
+        ds, row, col0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+        DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
+        dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, cols, col_mask, dw,
+                    db, dw1, db1, dls, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
+                    HAS_B1: tl.constexpr, HAS_LAYERSCALE: tl.constexpr):  # fmt: skip
+    """A program's partial parameter gradients of one column block, into row ``part / N``."""
+    tl.store(DW_PART + part + cols, dw, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PART + part + cols, db, mask=col_mask)
+    if HAS_W1:
+        tl.store(DW1_PART + part + cols, dw1, mask=col_mask)
+        if HAS_B1:
+            tl.store(DB1_PART + part + cols, db1, mask=col_mask)
+    if HAS_LAYERSCALE:
+        tl.store(DLS_PART + part + cols, dls, mask=col_mask)
+
+
+@triton.jit
 def _bwd_row_sums_kernel(
     S, DY, DY1, W, W1, MEAN, RSTD, C12, stride_s_row, stride_dy_row, stride_dy1_row, N,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
@@ -567,6 +653,7 @@ def _fused_norm_bwd_kernel(
     dropout_p,
     rows_per_program,  # contiguous rows owned by each row block
     BLOCK_N: tl.constexpr,
+    TAIL_N: tl.constexpr,  # one-block rows: a second column block after BLOCK_N (0: none)
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -581,62 +668,79 @@ def _fused_norm_bwd_kernel(
     ZERO_CENTERED_WEIGHT: tl.constexpr,
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
-    # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...).
+    # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
+    # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N).
     pid = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    part = pid.to(tl.int64) * N + cols
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if TAIL_N > 0:
+        tcols = BLOCK_N + tl.arange(0, TAIL_N)
+        tmask = tcols < N
+        tdw = tl.zeros((TAIL_N,), dtype=tl.float32)
+        tdb = tl.zeros((TAIL_N,), dtype=tl.float32)
+        tdw1 = tl.zeros((TAIL_N,), dtype=tl.float32)
+        tdb1 = tl.zeros((TAIL_N,), dtype=tl.float32)
+        tdls = tl.zeros((TAIL_N,), dtype=tl.float32)
     for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
         xhat, dy, dy1, wdy = _row_grads(
             S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row,
             stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
-        dw += dy * xhat
-        if HAS_BIAS:
-            db += dy
-        if HAS_W1:
-            dw1 += dy1 * xhat
-            if HAS_B1:
-                db1 += dy1
-        # The row sums: from the block when it holds the whole row, else from C12.
-        if NUM_CHUNKS == 1:
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-        else:
+        dw, db, dw1, db1 = _param_grads(dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1)
+        if TAIL_N > 0:
+            txhat, tdy, tdy1, twdy = _row_grads(
+                S, DY, DY1, W, W1, MEAN, RSTD, row, tcols, tmask, stride_s_row,
+                stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
+            tdw, tdb, tdw1, tdb1 = _param_grads(
+                tdw, tdb, tdw1, tdb1, txhat, tdy, tdy1, HAS_BIAS, HAS_W1, HAS_B1
+            )
+        # The row sums: from the block(s) when they hold the whole row, else from C12.
+        c2 = 0.0
+        if NUM_CHUNKS > 1:
             c1 = tl.load(C12 + 2 * row)
-        rstd = tl.load(RSTD + row)
-        if IS_RMS_NORM:
-            ds = (wdy - xhat * c1) * rstd
-        else:
-            if NUM_CHUNKS == 1:
-                c2 = tl.sum(wdy, axis=0) / N
-            else:
+            if not IS_RMS_NORM:
                 c2 = tl.load(C12 + 2 * row + 1)
-            ds = (wdy - (xhat * c1 + c2)) * rstd
-        if HAS_DRESIDUAL_OUT:
-            ds += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=col_mask,
-                          other=0.0).to(tl.float32)  # fmt: skip
-        dls_row = _input_grads(
-            ds, row, col0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
-            DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
-            dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-            HAS_DROPOUT,
+        else:
+            c1 = tl.sum(xhat * wdy, axis=0)
+            if TAIL_N > 0:
+                c1 += tl.sum(txhat * twdy, axis=0)
+            c1 = c1 / N
+            if not IS_RMS_NORM:
+                c2 = tl.sum(wdy, axis=0)
+                if TAIL_N > 0:
+                    c2 += tl.sum(twdy, axis=0)
+                c2 = c2 / N
+        rstd = tl.load(RSTD + row)
+        dls_row = _block_input_grads(
+            xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,
+            LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
+            stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
+            HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
         )  # fmt: skip
         if HAS_LAYERSCALE:
             dls += dls_row
-    tl.store(DW_PART + part, dw, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB_PART + part, db, mask=col_mask)
-    if HAS_W1:
-        tl.store(DW1_PART + part, dw1, mask=col_mask)
-        if HAS_B1:
-            tl.store(DB1_PART + part, db1, mask=col_mask)
-    if HAS_LAYERSCALE:
-        tl.store(DLS_PART + part, dls, mask=col_mask)
+        if TAIL_N > 0:
+            tdls_row = _block_input_grads(
+                txhat, twdy, c1, c2, rstd, row, BLOCK_N, tcols, tmask, M, N, DRESIDUAL_OUT, X0,
+                LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row,
+                stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, TAIL_N,
+                IS_RMS_NORM, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE,
+                HAS_LAYERSCALE, HAS_DROPOUT,
+            )  # fmt: skip
+            if HAS_LAYERSCALE:
+                tdls += tdls_row
+    part = pid.to(tl.int64) * N
+    _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, cols, col_mask,
+                    dw, db, dw1, db1, dls, HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip
+    if TAIL_N > 0:
+        _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, tcols, tmask,
+                        tdw, tdb, tdw1, tdb1, tdls, HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip

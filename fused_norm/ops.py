@@ -160,11 +160,14 @@ def _fwd_run(
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
         num_warps = config.fwd_split_warps(plain, split)
+        kernel_block, tail = block_n, 0
     else:
         block_n, num_chunks = config.block_config(n, elem_bytes)
+        # The kernel may hold the padded block as two narrower ones (config.block_tail).
+        kernel_block, tail = config.fwd_block_tail(n, block_n, num_chunks)
         rows = config.fwd_rows_per_program(block_n, num_chunks, plain)
         grid = (config.cdiv(m, rows),)
-        num_warps = config.fwd_num_warps(block_n, num_chunks, plain)
+        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -172,7 +175,8 @@ def _fwd_run(
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
         dict(
-            BLOCK_N=block_n,
+            BLOCK_N=kernel_block,
+            TAIL_N=tail,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
             HAS_BIAS=bias is not None,
@@ -321,8 +325,10 @@ def _bwd_run(
         dx.stride(0), _stride0(dx1), _stride0(dresidual),
         m, n, dropout_p, config.cdiv(m, programs),
     )  # fmt: skip
+    main, tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout_p > 0.0)
     flags = dict(
-        BLOCK_N=block_n,
+        BLOCK_N=main,
+        TAIL_N=tail,
         NUM_CHUNKS=num_chunks,
         IS_RMS_NORM=is_rms_norm,
         HAS_BIAS=db_part is not None,
@@ -336,7 +342,8 @@ def _bwd_run(
         HAS_DROPOUT=dropout_p > 0.0,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
-    grid, warps = (programs, num_chunks), config.bwd_num_warps(block_n, partials, dropout_p > 0.0)
+    grid = (programs, num_chunks)
+    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0, tail)
     maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
     if warm:
         _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
@@ -403,7 +410,8 @@ def fused_norm_bwd(
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
-    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0)
+    tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout_p > 0.0)[1]
+    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0, tail)
     programs = config.bwd_num_programs(m, dev, warps, num_chunks)
 
     def part(present):

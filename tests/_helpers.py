@@ -622,3 +622,19 @@ class split_rows:
     def __exit__(self, *exc):
         for k, v in self.saved.items():
             setattr(fused_norm.config, k, v)
+
+
+class tail_blocks:
+    """Context manager: set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is
+    not a power of two held as two blocks: True wherever that is narrower than the padded
+    block, False never, "measured" where measured to pay). Restored on exit."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.saved = fused_norm.config.TAIL_BLOCKS
+        fused_norm.config.TAIL_BLOCKS = self.value
+
+    def __exit__(self, *exc):
+        fused_norm.config.TAIL_BLOCKS = self.saved

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from _helpers import Case, check_case, max_block_bytes
+from _helpers import Case, check_case, max_block_bytes, tail_blocks
 
 from fused_norm import layer_norm_fn, rms_norm_fn
 
@@ -105,20 +105,39 @@ def test_kept_values_scaled(p, device, backend):
     torch.testing.assert_close(res[mask].double(), x.double()[mask] / (1.0 - p), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("block_bytes", [None, 64], ids=["one-block", "chunked"])
+@pytest.mark.parametrize(
+    "block_bytes, tail", [(None, False), (None, True), (64, False)],
+    ids=["one-block", "two-blocks", "chunked"],
+)  # fmt: skip
 @pytest.mark.parametrize("is_rms_norm", [False, True], ids=["ln", "rms"])
-def test_backward_uses_forward_mask(block_bytes, is_rms_norm, device):
+def test_backward_uses_forward_mask(block_bytes, tail, is_rms_norm, device):
     """d(x) is exactly 0 where x was dropped (likewise x1) and matches the reference run with
     the forward's masks; with dropout the stored mask is regenerated in the backward from the
-    row seeds, chunk by chunk in the wide-row path."""
+    row seeds, block by block (80 columns as 64 + 16), or chunk by chunk in the wide-row
+    path."""
     case = Case(shape=(2, 3, 80), dtype=torch.float32, is_rms_norm=is_rms_norm,
                 residual_dtype=torch.float32, has_x1=True, has_w1=True, dropout_p=0.5,
                 prenorm=True, seed=7)  # fmt: skip
-    with max_block_bytes(block_bytes):
+    with max_block_bytes(block_bytes), tail_blocks(tail):
         _, grads, (mask, mask1) = check_case(case, "fn", device=device)
     for name, g, m in (("x", grads["x"], mask), ("x1", grads["x1"], mask1)):
         assert bool((g[~m] == 0).all()), f"grad of {name} is nonzero where {name} was dropped"
         assert float((g[m] != 0).float().mean()) > 0.99, f"grad of {name} vanishes where kept"
+
+
+def test_mask_same_in_two_blocks_and_padded(device):
+    """A row held as two blocks (80 columns as 64 + 16) draws the same masks as the same row in
+    one padded block of 128: the decisions depend on (seed, column) alone. The outputs agree
+    to rounding (the row sums are added in another order)."""
+    x, x1 = torch.randn(5, 80, device=device), torch.randn(5, 80, device=device)
+    runs = []
+    for tail in (True, False):
+        with tail_blocks(tail):
+            runs.append(_call(x, x1, p=0.3, seed=11))
+    (y, res, mask, mask1), (y_pad, res_pad, mask_pad, mask1_pad) = runs
+    assert torch.equal(mask, mask_pad) and torch.equal(mask1, mask1_pad)
+    assert torch.equal(res, res_pad), "the residual stream is elementwise: it must be equal"
+    torch.testing.assert_close(y, y_pad, rtol=1e-5, atol=1e-5)
 
 
 def test_dropout_zero_is_identity(device):

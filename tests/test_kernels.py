@@ -16,7 +16,14 @@ import dataclasses
 
 import pytest
 import torch
-from _helpers import Case, check_case, count_example, max_block_bytes, split_rows
+from _helpers import (
+    Case,
+    check_case,
+    count_example,
+    max_block_bytes,
+    split_rows,
+    tail_blocks,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +35,7 @@ SPECIAL_N = (1, 2, 3, 5, 7, 8, 13, 15, 16, 17, 31, 32, 33, 61, 63, 64, 65, 97, 1
 ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
 
 EXAMPLES_FN = 560
+EXAMPLES_TWO_BLOCKS = 120
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_LEGACY = 150
@@ -88,6 +96,17 @@ def test_fn_matches_reference(case):
     """layer_norm_fn / rms_norm_fn, one block per row: outputs and all grads vs reference."""
     count_example("test_fn_matches_reference")
     check_case(case, "fn")
+
+
+@settings(max_examples=EXAMPLES_TWO_BLOCKS)
+@given(case=cases("fn", min_n=17).filter(lambda c: c.shape[-1] & (c.shape[-1] - 1)))
+def test_fn_two_blocks_match_reference(case):
+    """Widths that are not a power of two held as two blocks (config.block_tail), forced at
+    every width where they are narrower than the padded block (on a GPU only measured widths
+    take them, none as narrow as these); test_fn_matches_reference covers the padded block."""
+    count_example("test_fn_two_blocks_match_reference")
+    with tail_blocks(True):
+        check_case(case, "fn")
 
 
 @st.composite
