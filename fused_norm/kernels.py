@@ -104,31 +104,6 @@ def _combine_inputs(
 
 
 @triton.jit
-def _stream(
-    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT,
-    row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
-    stride_res_out_row, dropout_p,
-    BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
-    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
-):  # fmt: skip
-    """``s`` of one row block (``_combine_inputs``), stored as the residual stream if asked and
-    then returned as stored: the norm is taken of the stream rounded to its dtype, the tensor
-    that the backward and the next layer see (statistics of the unrounded sum would not
-    match it)."""
-    s = _combine_inputs(
-        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
-        row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
-        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-        HAS_DROPOUT, STORE_MASK,
-    )  # fmt: skip
-    if STORE_RESIDUAL_OUT:
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
-        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
-    return s
-
-
-@triton.jit
 def _normalize_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row,
     HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
@@ -158,21 +133,29 @@ def _fwd_row(
     ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
     (5120 columns as 4096 + 1024 instead of one block padded to 8192: config.block_tail)."""
     col_mask = cols < N
-    s = _stream(
-        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT,
+    s = _combine_inputs(
+        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
-        stride_res_out_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-        HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
     if TAIL_N > 0:
         tcols = BLOCK_N + tl.arange(0, TAIL_N)
         tmask = tcols < N
-        t = _stream(
-            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT,
+        t = _combine_inputs(
+            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
             row, BLOCK_N, tcols, tmask, M, N, stride_x_row, stride_res_row, stride_x1_row,
-            stride_res_out_row, dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-            HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+            dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+            HAS_DROPOUT, STORE_MASK,
         )  # fmt: skip
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
+        # Normalise the stream as stored (rounded to its dtype): the backward and the
+        # next layer see that tensor; statistics of the unrounded sum would not match.
+        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
+        if TAIL_N > 0:
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, t, mask=tmask)
+            t = t.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
     if not IS_RMS_NORM:
         total = tl.sum(s, axis=0)
         if TAIL_N > 0:
@@ -307,12 +290,15 @@ def _fwd_split_row(
     col0 = part * BLOCK_N
     ccols = col0 + cols
     col_mask = ccols < N
-    s = _stream(
-        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT,
+    s = _combine_inputs(
+        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
-        stride_res_out_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-        HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
+        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see _fwd_row)
     if IS_RMS_NORM:
         word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
     else:
@@ -453,12 +439,15 @@ def _fused_norm_fwd_kernel(
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             col_mask = ccols < N
-            s = _stream(
-                X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT,
+            s = _combine_inputs(
+                X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
                 row, c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row,
-                stride_x1_row, stride_res_out_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1,
-                HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+                stride_x1_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
+                HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK,
             )  # fmt: skip
+            if STORE_RESIDUAL_OUT:
+                tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
+                s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see above)
             if IS_RMS_NORM:
                 m2 += tl.sum(s * s, axis=0)
             else:
