@@ -139,6 +139,8 @@ def _fwd_row(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
+    # Both blocks are formed before either is stored: storing the first block's stream before
+    # the second block's loads cost 4-5 points of copy with dropout (bench/NOTES.md #29).
     if TAIL_N > 0:
         tcols = BLOCK_N + tl.arange(0, TAIL_N)
         tmask = tcols < N
