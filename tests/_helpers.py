@@ -604,37 +604,34 @@ class max_block_bytes:
             setattr(fused_norm.config, k, v)
 
 
-class split_rows:
-    """Context manager: split every forward row wider than ``value`` bytes into parts of
-    ``value`` bytes (``fused_norm.config.FWD_SPLIT_*``), with up to 64 parts per row whatever
-    the device's SM count. Restored on exit, also on failure."""
+class patched_config:
+    """Context manager: set attributes of ``fused_norm.config`` (keyword arguments) and restore
+    them on exit, also on failure."""
 
-    def __init__(self, value: int):
-        self.value = value
+    def __init__(self, **values):
+        self.values = values
 
     def __enter__(self):
         cfg = fused_norm.config
-        self.saved = {k: getattr(cfg, k) for k in
-                      ("FWD_SPLIT_MIN_BYTES", "FWD_SPLIT_BLOCK_BYTES", "sm_count")}  # fmt: skip
-        cfg.FWD_SPLIT_MIN_BYTES = cfg.FWD_SPLIT_BLOCK_BYTES = self.value
-        cfg.sm_count = lambda device: 64
+        self.saved = {k: getattr(cfg, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(cfg, k, v)
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():
             setattr(fused_norm.config, k, v)
 
 
-class tail_blocks:
-    """Context manager: set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is
-    not a power of two held as two blocks: True wherever that is narrower than the padded
-    block, False never, "measured" where measured to pay). Restored on exit."""
+def split_rows(value: int) -> patched_config:
+    """Split every forward row wider than ``value`` bytes into parts of ``value`` bytes
+    (``fused_norm.config.FWD_SPLIT_*``), with up to 64 parts per row whatever the device's SM
+    count."""
+    return patched_config(FWD_SPLIT_MIN_BYTES=value, FWD_SPLIT_BLOCK_BYTES=value,
+                          sm_count=lambda device: 64)  # fmt: skip
 
-    def __init__(self, value):
-        self.value = value
 
-    def __enter__(self):
-        self.saved = fused_norm.config.TAIL_BLOCKS
-        fused_norm.config.TAIL_BLOCKS = self.value
-
-    def __exit__(self, *exc):
-        fused_norm.config.TAIL_BLOCKS = self.saved
+def tail_blocks(value) -> patched_config:
+    """Set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is not a power of two
+    held as two blocks: True wherever that is narrower than the padded block, False never,
+    "measured" where measured to pay)."""
+    return patched_config(TAIL_BLOCKS=value)
