@@ -280,11 +280,13 @@ def main():
             drop = workload == "drop_add_ln"
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
-                bn, split = config.fwd_split(n, 2, device)
+                bn, split = config.fwd_split(n, 2, device, drop or workload == "parallel")
                 nc = 1
                 if split == 1:
                     bn, nc = config.block_config(n, 2)
-                tl_ = config.fwd_block_tail(n, bn, nc)[1] if split == 1 else 0
+                tl_ = 0
+                if split == 1 and config.fwd_rows_per_program(bn, nc, plain) == 1:
+                    tl_ = config.fwd_block_tail(n, bn, nc)[1]
                 warps = (config.fwd_split_warps(plain, split) if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(bn, nc, split, drop, workload == "parallel", 2, device)
@@ -295,9 +297,10 @@ def main():
                 )
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
-                bn, nc = config.bwd_block_config(n, 2, partials)
+                bn, nc = config.bwd_block_config(n, 2, partials, drop)
                 tl_ = config.bwd_block_tail(n, bn, nc, partials, drop)[1]
-                desc = (f"warps={config.bwd_num_warps(bn, partials, drop, tl_)} wps={config.BWD_WARPS_PER_SM} "
+                bw_ = config.bwd_num_warps(bn, partials, drop, tl_, workload in ("ln", "rms"))
+                desc = (f"warps={bw_} wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
                         f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
                         f"tail={tl_}")  # fmt: skip

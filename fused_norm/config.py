@@ -71,6 +71,7 @@ def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int,
 TAIL_BLOCKS = "measured"
 FWD_TAIL_BLOCKS = (4096, 8192, 16384)
 BWD_TAIL_BLOCKS = (8192,)
+BWD_TAIL_BLOCKS_LN = (16384,)  # two partials, no dropout: bwd_block_config
 
 
 def block_tail(n_cols: int, block_n: int, num_chunks: int, measured=()) -> tuple[int, int]:
@@ -99,8 +100,10 @@ def bwd_block_tail(
     """:func:`block_tail` of the backward (``partials``: its parameter-gradient vectors). With
     dropout or four partials (the x1 path) only a tail of at most a quarter of the main block
     is measured to pay: at 6144 columns (4096 + 2048) dropout + add + LayerNorm fell from 75%
-    to 57% of copy and the x1 path from 58% to 51% (bench/NOTES.md #27)."""
-    main, tail = block_tail(n_cols, block_n, num_chunks, BWD_TAIL_BLOCKS)
+    to 57% of copy and the x1 path from 58% to 51% (bench/NOTES.md #27). Two partials without
+    dropout also at a padded 16384 (bwd_block_config's rows of 8K-12K columns)."""
+    measured = BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 and not dropout else ())
+    main, tail = block_tail(n_cols, block_n, num_chunks, measured)
     if tail and TAIL_BLOCKS == "measured" and (dropout or partials >= 4) and 4 * tail > main:
         return block_n, 0
     return main, tail
@@ -181,13 +184,14 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
     return None
 
 
-# Forward rows wider than FWD_SPLIT_MIN_BYTES (bytes of the widest row tensor) are split across
-# programs of FWD_SPLIT_BLOCK_BYTES each, which exchange their partial statistics through global
-# memory (kernels.py, _fwd_split_row) instead of one program sweeping the row twice. At most
-# one part per SM, so that a row's parts can be resident together. Under the interpreter a part
-# waits at most FWD_SPLIT_MAX_POLLS reads of its partners' statistics before computing them
-# itself, FWD_SPLIT_SUB_N columns at a time (kernels._fwd_split_row says why GPU builds wait
-# without a bound). Sizes: the sweep in bench/NOTES.md #21.
+# Forward rows wider than FWD_SPLIT_MIN_BYTES (bytes of the widest row tensor; with dropout or
+# the x1 path, rows of that width too: fwd_split) are split across programs of
+# FWD_SPLIT_BLOCK_BYTES each, which exchange their partial statistics through global memory
+# (kernels.py, _fwd_split_row) instead of one program sweeping the row twice. At most one part
+# per SM, so that a row's parts can be resident together. Under the interpreter a part waits at
+# most FWD_SPLIT_MAX_POLLS reads of its partners' statistics before computing them itself,
+# FWD_SPLIT_SUB_N columns at a time (kernels._fwd_split_row says why GPU builds wait without a
+# bound). Sizes: the sweep in bench/NOTES.md #21.
 FWD_SPLIT_MIN_BYTES = 65536
 FWD_SPLIT_BLOCK_BYTES = 8192
 FWD_SPLIT_WARPS = 4
@@ -195,9 +199,21 @@ FWD_SPLIT_MAX_POLLS = 0
 FWD_SPLIT_SUB_N = 128
 
 
-def fwd_split(n_cols: int, elem_bytes: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split."""
-    if n_cols * elem_bytes <= FWD_SPLIT_MIN_BYTES or not split_rows_ok(device):
+def fwd_split(
+    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False
+) -> tuple[int, int]:
+    """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
+
+    Rows wider than FWD_SPLIT_MIN_BYTES split; ``heavy`` rows (dropout or the x1 path: more
+    work per column) from FWD_SPLIT_MIN_BYTES on. At exactly 64 KB (32K 16-bit columns, else
+    one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #30)
+    measured 8 parts of 4K columns against the one block: dropout + add + LayerNorm 73 -> 85% of
+    copy, the x1 path 77 -> 84%; LayerNorm 63 -> 66%, RMSNorm 84 -> 83% and add + RMSNorm 98 ->
+    96% keep the block."""
+    row_bytes = n_cols * elem_bytes
+    if row_bytes < FWD_SPLIT_MIN_BYTES or (row_bytes == FWD_SPLIT_MIN_BYTES and not heavy):
+        return 0, 1
+    if not split_rows_ok(device):
         return 0, 1
     block_n = max(FWD_SPLIT_BLOCK_BYTES // elem_bytes, 8)
     split = cdiv(n_cols, block_n)
@@ -250,7 +266,9 @@ def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
     return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= widest else 1
 
 
-def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False, tail: int = 0) -> int:
+def bwd_num_warps(
+    block_n: int, partials: int = 1, dropout: bool = False, tail: int = 0, plain: bool = False
+) -> int:
     """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
     Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
     dropout spilled registers at 16 warps), 16 for 8K chunks. With four partials (two weights
@@ -265,9 +283,20 @@ def bwd_num_warps(block_n: int, partials: int = 1, dropout: bool = False, tail: 
 
     Two blocks of a padded 8192 (``tail`` > 0, bench/NOTES.md #27, 5120 columns): 16 warps with
     one partial (RMSNorm 81% vs 68% with 8), 4 with two (dropout + add + LayerNorm 84% vs 72%
-    with 8, LayerNorm 80% vs 64%), 8 with four (the x1 path 65% vs 54% with 4)."""
-    if tail:  # two blocks of a padded 8192 (BWD_TAIL_BLOCKS), from the sweeps of TAIL_BLOCKS
+    with 8, LayerNorm 80% vs 64%), 8 with four (the x1 path 65% vs 54% with 4). Two blocks of
+    a padded 16384 (two partials: bwd_block_config): 16 (LayerNorm at 12288: 62% vs 47% with
+    32; bench/NOTES.md #30).
+
+    ``plain``: no residual gradient in or out, no x1, no dropout (a norm of x alone). Its
+    8192-column block with one partial takes 8 warps: RMSNorm 86% of copy vs 73% with 16, in
+    two sessions' sweeps (bench/NOTES.md #30); add + RMSNorm prenorm keeps 16 (4: 81%, 16:
+    78%, 8: 53%)."""
+    if tail:  # two blocks of a padded 8192 or 16384, from the sweeps of TAIL_BLOCKS
+        if block_n > 8192:
+            return 16
         return 16 if partials == 1 else (8 if partials >= 4 else 4)
+    if plain and partials == 1 and block_n == 8192:
+        return 8
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
     if block_n <= 256:
@@ -312,10 +341,23 @@ BWD_SUMS_WARPS = 8
 BWD_TILE_BYTES = 16384
 
 
-def bwd_block_config(n_cols: int, elem_bytes: int, partials: int) -> tuple[int, int]:
-    """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors."""
+def bwd_block_config(
+    n_cols: int, elem_bytes: int, partials: int, dropout: bool = False
+) -> tuple[int, int]:
+    """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors.
+
+    16-bit rows with two partials and no dropout (LayerNorm) up to one and a half times the
+    block cap (8K-12K columns) stay one block, held as two (bwd_block_tail: 12288 = 8192 +
+    4096), instead of column blocks after the row-sums pre-pass, which reads s and dy twice:
+    LayerNorm at 12288, 49.5 -> 62.0% of copy (graph replay, H200, 2026-11-23, bench/NOTES.md
+    #30); with dropout even (58.5 -> 60.0%), and one padded 16K block lost at 16384 (53.8 ->
+    48.4%)."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, elem_bytes, cap)
+    if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2
+            and 2 * n_cols <= 3 * block_n
+            and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
+        return 2 * block_n, 1
     if num_chunks > 1:
         block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
     return block_n, num_chunks

@@ -3,13 +3,13 @@ backward's row-sums pre-pass for rows wider than one block.
 
 Design notes
 ------------
-* Forward, one program per row (four for narrow rows: config.fwd_rows_per_program). The row is
-  read once: every optional input is combined into the fp32 pre-norm sum ``s`` in registers,
-  ``s`` is stored as the residual stream if asked, the statistics are taken from the fp32 ``s``
-  (two-pass mean/variance over registers, which is as accurate as Welford and cheaper), and
-  ``y = xhat * w + b`` is written. A row whose width is
-  not a power of two may be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N``
-  columns, instead of one padded block (``config.block_tail``); the backward likewise.
+* Forward, one program per row (narrow rows: a tile of several, config.fwd_rows_per_program).
+  The row is read once: every optional input is combined into the fp32 pre-norm sum ``s`` in
+  registers, ``s`` is stored as the residual stream if asked, the statistics are taken from
+  the fp32 ``s`` (two-pass mean/variance over registers, which is as accurate as Welford and
+  cheaper), and ``y = xhat * w + b`` is written. A row whose width is not a power of two may
+  be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N`` columns, instead of one
+  padded block (``config.block_tail``); the backward likewise.
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
   the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
   Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
@@ -49,8 +49,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr):
-    """Dropout keep-decisions of columns ``[col0, col0 + BLOCK_N)`` of one row.
+def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """Dropout keep-decisions of columns ``[col0, col0 + BLOCK_N)`` of one row, or with ROWS > 0
+    of ROWS rows (``seed_row`` a (ROWS, 1) tensor; the result is (ROWS, BLOCK_N)).
 
     Each decision takes 16 random bits: one Philox4x32-10 call (``tl.randint4x``) gives four
     32-bit numbers, i.e. eight 16-bit halves, for eight adjacent columns in a fixed interleaving.
@@ -61,10 +62,16 @@ def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr):
     """
     seed = tl.load(SEEDS + seed_row).to(tl.uint32)
     octet = col0 // 8 + tl.arange(0, BLOCK_N // 8)
+    if ROWS > 0:
+        octet = octet[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, octet)
     lo = tl.join(tl.join(r0 & 0xFFFF, r1 & 0xFFFF), tl.join(r2 & 0xFFFF, r3 & 0xFFFF))
     hi = tl.join(tl.join(r0 >> 16, r1 >> 16), tl.join(r2 >> 16, r3 >> 16))
-    bits = tl.reshape(tl.join(lo, hi), (BLOCK_N,)).to(tl.float32)  # exact: < 2**16
+    if ROWS > 0:
+        bits = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_N))
+    else:
+        bits = tl.reshape(tl.join(lo, hi), (BLOCK_N,))
+    bits = bits.to(tl.float32)  # exact: < 2**16
     # For integer bits, bits + 0.5 > p * 2**16  <=>  bits >= round(p * 2**16) (halves up).
     return bits + 0.5 > dropout_p * 65536.0
 
@@ -75,23 +82,24 @@ def _combine_inputs(
     row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
     BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_MASK: tl.constexpr,
+    STORE_MASK: tl.constexpr, ROWS: tl.constexpr = 0,
 ):  # fmt: skip
-    """The fp32 pre-norm sum ``s`` of one row chunk (zero beyond N)."""
+    """The fp32 pre-norm sum ``s`` of one row chunk (zero beyond N); with ROWS > 0 of ROWS rows
+    at once (``row`` (ROWS, 1), ``cols`` (1, BLOCK_N): see _fwd_rows)."""
     x = tl.load(X + row * stride_x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_ROWSCALE:
         x *= tl.load(ROWSCALE + row).to(tl.float32)
     if HAS_LAYERSCALE:
         x *= tl.load(LAYERSCALE + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N)
+        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N, ROWS)
         x = tl.where(keep, x * (1.0 / (1.0 - dropout_p)), 0.0)
         if STORE_MASK:
             tl.store(MASK + row * N + cols, keep, mask=col_mask)
     if HAS_X1:
         x1 = tl.load(X1 + row * stride_x1_row + cols, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N)
+            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N, ROWS)
             x1 = tl.where(keep1, x1 * (1.0 / (1.0 - dropout_p)), 0.0)
             if STORE_MASK:
                 tl.store(MASK1 + row * N + cols, keep1, mask=col_mask)
@@ -185,6 +193,48 @@ def _fwd_row(
         if HAS_W1:
             _normalize_store(that, tcols, tmask, row, W1, B1, Y1, stride_y1_row,
                              HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
+def _fwd_rows(
+    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+    MEAN, RSTD, row0, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
+    stride_y1_row, stride_res_out_row, M, N, eps, dropout_p,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The forward of ROWS narrow rows from ``row0`` as one (ROWS, BLOCK_N) tile: every load of
+    the tile is issued before the first reduction (config.fwd_rows_per_program). Tile rows past
+    the last row repeat it, so that loads need no row mask; they store what its own tile row
+    stores."""
+    rows = tl.minimum(row0 + tl.arange(0, ROWS), M - 1)
+    row = rows[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < N
+    s = _combine_inputs(
+        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+        row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+        HAS_DROPOUT, STORE_MASK, ROWS,
+    )  # fmt: skip
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
+        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see _fwd_row)
+    if not IS_RMS_NORM:
+        mean = tl.sum(s, axis=1) / N
+        s = tl.where(col_mask, s - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd)
+    xhat = s * rstd[:, None]
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
+                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -424,15 +474,15 @@ def _fused_norm_fwd_kernel(
                 TAIL_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
                 HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
-        else:  # narrow rows, several per program
-            for row in range(row0, tl.minimum(row0 + ROWS_PER_PROGRAM, M)):
-                _fwd_row(
-                    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
-                    MASK, MASK1, MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row,
-                    stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
-                    TAIL_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
-                    HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
-                )  # fmt: skip
+        else:  # narrow rows, several per program as one tile (one block: TAIL_N == 0)
+            _fwd_rows(
+                X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
+                MASK, MASK1, MEAN, RSTD, row0, stride_x_row, stride_y_row, stride_res_row,
+                stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
+                ROWS_PER_PROGRAM, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
+                HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+                ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
     else:
         row = row0
         # Sweep 1: form s chunk by chunk, store it, and merge (count, mean, M2) per chunk.
@@ -527,12 +577,12 @@ def _input_grads(
     if HAS_X1:
         dx1 = ds
         if HAS_DROPOUT:
-            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N)
+            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N, 0)
             dx1 = tl.where(keep1, ds * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX1 + row * stride_dx1_row + cols, dx1, mask=col_mask)
     dx = ds
     if HAS_DROPOUT:
-        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N)
+        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N, 0)
         dx = tl.where(keep, dx * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_ROWSCALE:
         dx *= tl.load(ROWSCALE + row).to(tl.float32)

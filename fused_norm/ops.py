@@ -153,7 +153,7 @@ def _fwd_run(
     plain = ""
     if x1 is None and residual is None and dropout_p == 0.0:
         plain = "rms" if is_rms_norm else "ln"
-    block_n, split = config.fwd_split(n, elem_bytes, dev)
+    block_n, split = config.fwd_split(n, elem_bytes, dev, x1 is not None or dropout_p > 0.0)
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
@@ -163,9 +163,12 @@ def _fwd_run(
         kernel_block, tail = block_n, 0
     else:
         block_n, num_chunks = config.block_config(n, elem_bytes)
-        # The kernel may hold the padded block as two narrower ones (config.block_tail).
-        kernel_block, tail = config.fwd_block_tail(n, block_n, num_chunks)
         rows = config.fwd_rows_per_program(block_n, num_chunks, plain)
+        # The kernel may hold the padded block as two narrower ones (config.block_tail); a tile
+        # of several rows keeps one.
+        kernel_block, tail = block_n, 0
+        if rows == 1:
+            kernel_block, tail = config.fwd_block_tail(n, block_n, num_chunks)
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
     _FWD(
@@ -275,23 +278,24 @@ def _bwd_launch(
     dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], dw_part: Tensor,
     db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor],
     dls_part: Optional[Tensor], c12: Optional[Tensor], dropout_p: float, is_rms_norm: bool,
-    zero_centered_weight: bool, block_n: int, num_chunks: int,
+    zero_centered_weight: bool, block_n: int, num_chunks: int, tail: int, warps: int,
 ) -> None:  # fmt: skip
     """The backward launches (the body of the ``fused_norm::bwd`` custom op)."""
     _bwd_run(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
-        is_rms_norm, zero_centered_weight, block_n, num_chunks,
+        is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps,
     )  # fmt: skip
 
 
 def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
     dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
-    is_rms_norm, zero_centered_weight, block_n, num_chunks, warm=False,
+    is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, warm=False,
 ):  # fmt: skip
     """Launch the backward, or with ``warm`` only start compiling its kernels (outputs may then
-    be :class:`~fused_norm.launch.Stand`-ins)."""
+    be :class:`~fused_norm.launch.Stand`-ins). ``block_n`` is the padded block, held as two
+    (``block_n // 2`` then ``tail`` columns) where ``tail`` > 0; fused_norm_bwd chose them."""
     m, n = s.shape
     if m == 0:
         return
@@ -325,9 +329,8 @@ def _bwd_run(
         dx.stride(0), _stride0(dx1), _stride0(dresidual),
         m, n, dropout_p, config.cdiv(m, programs),
     )  # fmt: skip
-    main, tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout_p > 0.0)
     flags = dict(
-        BLOCK_N=main,
+        BLOCK_N=block_n // 2 if tail else block_n,
         TAIL_N=tail,
         NUM_CHUNKS=num_chunks,
         IS_RMS_NORM=is_rms_norm,
@@ -343,7 +346,6 @@ def _bwd_run(
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
     )
     grid = (programs, num_chunks)
-    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0, tail)
     maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
     if warm:
         _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
@@ -409,9 +411,12 @@ def fused_norm_bwd(
         dx1 = empty((m, n), x1_dtype)
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
-    block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials)
-    tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout_p > 0.0)[1]
-    warps = config.bwd_num_warps(block_n, partials, dropout_p > 0.0, tail)
+    dropout = dropout_p > 0.0
+    block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials, dropout)
+    tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout)[1]
+    # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
+    plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
+    warps = config.bwd_num_warps(block_n, partials, dropout, tail, plain)
     programs = config.bwd_num_programs(m, dev, warps, num_chunks)
 
     def part(present):
@@ -429,6 +434,7 @@ def fused_norm_bwd(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
         float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks,
+        tail, warps,
     )  # fmt: skip
     if warm:
         _bwd_run(*args, warm=True)

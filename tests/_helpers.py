@@ -633,5 +633,8 @@ def split_rows(value: int) -> patched_config:
 def tail_blocks(value) -> patched_config:
     """Set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is not a power of two
     held as two blocks: True wherever that is narrower than the padded block, False never,
-    "measured" where measured to pay)."""
+    "measured" where measured to pay). With True the forward also takes one row per program:
+    a tile of several narrow rows keeps one block, and these widths are all narrow."""
+    if value is True:
+        return patched_config(TAIL_BLOCKS=True, FWD_ROWS_PER_PROGRAM=1)
     return patched_config(TAIL_BLOCKS=value)

@@ -56,6 +56,9 @@ MATRIX = (
     # 5120 and 6144.
     + [("drop_add_ln_prenorm", 5120, BF16), ("rms", 5120, BF16), ("x1_w1", 2560, BF16)]
     + [("ln", 3000, FP32), ("add_rms_prenorm", 6144, BF16)]
+    # LayerNorm's backward at 8K-12K 16-bit columns as one program of two blocks
+    # (config.bwd_block_config); 64 KB rows split with dropout or x1 (config.fwd_split).
+    + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
 )
 
 

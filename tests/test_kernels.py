@@ -21,6 +21,7 @@ from _helpers import (
     check_case,
     count_example,
     max_block_bytes,
+    patched_config,
     split_rows,
     tail_blocks,
 )
@@ -107,6 +108,42 @@ def test_fn_two_blocks_match_reference(case):
     count_example("test_fn_two_blocks_match_reference")
     with tail_blocks(True):
         check_case(case, "fn")
+
+
+@pytest.mark.parametrize(
+    "n, rows, dropout_p, has_x1, is_rms_norm",
+    [(100, 7, 0.2, True, False), (256, 5, 0.0, False, True), (256, 1, 0.5, False, False),
+     (33, 6, 0.0, True, True)],
+)  # fmt: skip
+def test_row_tile_matches_one_row_per_program(n, rows, dropout_p, has_x1, is_rms_norm):
+    """Narrow rows as one tile of four per program (config.fwd_rows_per_program; the last tile
+    partly past the last row) against one row per program: the residual stream and the
+    dropout masks are bitwise equal (elementwise, and the masks depend on (seed, column)
+    alone), the statistics and outputs agree to rounding (the reductions run in another
+    order)."""
+    from fused_norm import ops
+
+    gen = torch.Generator().manual_seed(n + rows)
+    x = torch.randn(rows, n, generator=gen).bfloat16()
+    x1 = torch.randn(rows, n, generator=gen).bfloat16() if has_x1 else None
+    res = torch.randn(rows, n, generator=gen).bfloat16()
+    w, b = torch.randn(n, generator=gen), None if is_rms_norm else torch.randn(n, generator=gen)
+    seeds = torch.randint(0, 2**31, (2 * rows,), generator=gen) if dropout_p else None
+    args = (x, w, b, res, x1, None, None, None, None, seeds, 1e-5, dropout_p, is_rms_norm,
+            False, torch.bfloat16, torch.float32, True, True)  # fmt: skip
+    runs = []
+    for per_program in (1, 4):
+        with patched_config(FWD_ROWS_PER_PROGRAM=per_program, FWD_ROWS_MAX_N=256):
+            runs.append(ops.fused_norm_fwd(*args))
+    names = ("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
+    for name, one, tile in zip(names, *runs):
+        if one is None:
+            assert tile is None, name
+        elif name in ("residual_out", "mask", "mask1"):
+            assert torch.equal(one, tile), name
+        else:
+            torch.testing.assert_close(tile.float(), one.float(), rtol=2**-7, atol=1e-5,
+                                       msg=name)  # fmt: skip
 
 
 @st.composite
