@@ -8,7 +8,8 @@ kernels; bench/bench.py measures what users see.
 
 Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
-       [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--fwd-rows 1,8] [--workloads ln,...]
+       [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--bwd-rows 1,4] [--fwd-rows 1,8]
+       [--workloads ln,...]
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
        splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
@@ -200,6 +201,7 @@ def main():
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
     ap.add_argument("--bwd-max-bytes", default="auto")
     ap.add_argument("--bwd-stages", default="auto")
+    ap.add_argument("--bwd-rows", default="auto", help="rows per backward tile (narrow rows)")
     ap.add_argument("--bwd-tile-bytes", default=str(config.BWD_TILE_BYTES))
     ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
     ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
@@ -230,7 +232,7 @@ def main():
             config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
             config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
             config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps, config.fwd_maxnreg,
-            config.bwd_maxnreg)  # fmt: skip
+            config.bwd_maxnreg, config.BWD_TILE_ROWS, config.BWD_TILE_ROWS_MAX_N)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
@@ -239,7 +241,7 @@ def main():
     ):
         if mode == "fwd":
             variants = [
-                (fw, None, None, None, fr, sp, mr)
+                (fw, None, None, None, fr, sp, mr, None)
                 for fw, fr, sp, mr in itertools.product(
                     ints(args.fwd_warps), ints(args.fwd_rows), splits, ints(args.fwd_maxnreg)
                 )
@@ -250,8 +252,9 @@ def main():
                                               ints(args.bwd_max_bytes),
                                               ints(args.bwd_tile_bytes),
                                               ints(args.bwd_stages),
-                                              ints(args.bwd_maxnreg)))  # fmt: skip
-        for fw, bw, wps, maxb, gb, st, mr in variants:
+                                              ints(args.bwd_maxnreg),
+                                              ints(args.bwd_rows)))  # fmt: skip
+        for fw, bw, wps, maxb, gb, st, mr, br in variants:
             config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
@@ -262,6 +265,9 @@ def main():
                 config.bwd_maxnreg = lambda *a, _r=mr: _r
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
+            if br:  # an explicit tile applies to every one-block width
+                config.BWD_TILE_ROWS = br
+                config.BWD_TILE_ROWS_MAX_N = 1 << 30
             if wps:
                 config.BWD_WARPS_PER_SM = wps
             if maxb:
@@ -300,7 +306,8 @@ def main():
                 bn, nc = config.bwd_block_config(n, 2, partials, drop)
                 tl_ = config.bwd_block_tail(n, bn, nc, partials, drop)[1]
                 bw_ = config.bwd_num_warps(bn, partials, drop, tl_, workload in ("ln", "rms"))
-                desc = (f"warps={bw_} wps={config.BWD_WARPS_PER_SM} "
+                desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
+                        f"wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
                         f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
                         f"tail={tl_}")  # fmt: skip
@@ -316,7 +323,8 @@ def main():
                  config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
                  config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
                  config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
-                 config.fwd_maxnreg, config.bwd_maxnreg) = orig  # fmt: skip
+                 config.fwd_maxnreg, config.bwd_maxnreg, config.BWD_TILE_ROWS,
+                 config.BWD_TILE_ROWS_MAX_N) = orig  # fmt: skip
                 config.TAIL_BLOCKS = "measured"
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip

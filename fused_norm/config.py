@@ -253,7 +253,11 @@ def split_rows_ok(device: torch.device) -> bool:
 # Sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #26): 4 rows beat 8 by about a point at N = 256
 # for every workload; at N = 512 4 rows with one warp lift the plain norms from 80% to 94%
 # (LayerNorm) and 96% (RMSNorm), but cost the workloads with a residual 3 points (they move
-# twice the bytes per row and already reach 97-100% with one row per program).
+# twice the bytes per row and already reach 97-100% with one row per program). Those rows were
+# a loop; as one tile (kernels._fwd_rows, bench/NOTES.md #31; same rows and warps) they went,
+# in one graph-replay call: N = 256 LayerNorm 81 -> 95%, RMSNorm 87 -> 99%, dropout + add +
+# LayerNorm 90 -> 96%, add + RMSNorm 97 -> 100%, the x1 path 96 -> 100%; N = 512 LayerNorm 93
+# -> 97%, RMSNorm 96 -> 99%. Tiles of 8 rows or 2-4 warps were within 2 points of these.
 FWD_ROWS_PER_PROGRAM = 4
 FWD_ROWS_MAX_N = 256  # widest row (columns) that always takes several rows per program
 FWD_ROWS_MAX_N_PLAIN = 512  # the same for a norm of x alone
@@ -278,8 +282,9 @@ def bwd_num_warps(
     Narrow rows (bench/NOTES.md #26, H200, bf16, 2026-11-23): 1 warp at 256 columns
     (LayerNorm 39 -> 84%, add + RMSNorm 42 -> 94%) and 2 at 512 (61 -> 82%, 66 -> 89%), so
     that 8-16 times more rows are in flight per SM and the row sums stay within a warp; with
-    dropout 2 at 256 (35 -> 65%; 1 warp: 41%) and 4 kept at 512; the x1 path 1 at <= 512
-    (256: 59 -> 64%, 512: 53 -> 71%).
+    dropout 2 at 256 (35 -> 65%; 1 warp: 41%) and, since its rows go in tiles
+    (bwd_tile_rows), 2 at 512 (87% vs 83% with 4); the x1 path 1 at <= 512 (256: 59 -> 64%,
+    512: 53 -> 71%).
 
     Two blocks of a padded 8192 (``tail`` > 0, bench/NOTES.md #27, 5120 columns): 16 warps with
     one partial (RMSNorm 81% vs 68% with 8), 4 with two (dropout + add + LayerNorm 84% vs 72%
@@ -301,9 +306,30 @@ def bwd_num_warps(
         return 1 if block_n <= 512 else 2
     if block_n <= 256:
         return 2 if dropout else 1
-    if block_n <= 512 and not dropout:
+    if block_n <= 512:  # with dropout in tiles of rows (bwd_tile_rows): 87% vs 83% with 4
         return 2
     return min(max(block_n // 512, 4), 32)
+
+
+# Narrow rows with dropout in the backward: a program takes its rows BWD_TILE_ROWS at a time as
+# one tile (kernels._bwd_row_tiles) where the row is one block of at most BWD_TILE_ROWS_MAX_N
+# columns, so that a tile's loads and its Philox draws are in flight together. Graph-replay
+# sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #31), tiles of {2, 4, 8} rows on {1, 2}
+# warps against one row at a time: dropout + add + LayerNorm 256 columns 65 -> 83% of copy (4
+# rows, 2 warps), 512 columns 66 -> 87% (4 rows, 2 warps; 4 warps 83%); without dropout the
+# tiles lost (LayerNorm 256: 84 -> 60-79%, add + RMSNorm 512: 88 -> 61-75%, the x1 path 512:
+# 71 -> 50-60%) or were even (RMSNorm 256: 89 -> 91%), and at 1024 columns they were even
+# with dropout (84 -> 86%) and lost without.
+BWD_TILE_ROWS = 4
+BWD_TILE_ROWS_MAX_N = 512
+
+
+def bwd_tile_rows(block_n: int, num_chunks: int, tail: int = 0, dropout: bool = True) -> int:
+    """Rows per tile of the backward: BWD_TILE_ROWS for one-block rows with dropout of at most
+    BWD_TILE_ROWS_MAX_N columns, else 1 (one row at a time)."""
+    if dropout and num_chunks == 1 and not tail and block_n <= BWD_TILE_ROWS_MAX_N:
+        return BWD_TILE_ROWS
+    return 1
 
 
 # Rows in flight per backward program: its row loop is software-pipelined (``tl.range``

@@ -537,28 +537,30 @@ def _fused_norm_fwd_kernel(
 
 @triton.jit
 def _row_grads(
-    S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+    S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, mask, stride_s_row, stride_dy_row,
     stride_dy1_row, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    """xhat, dy, dy1 and wdy = w*dy (+ w1*dy1) of one row chunk, all fp32 and zero beyond N."""
-    s = tl.load(S + row * stride_s_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    """xhat, dy, dy1 and wdy = w*dy (+ w1*dy1) of one row chunk, all fp32 and zero beyond N.
+    ``mask`` is ``col_mask`` for one row; for a tile of rows (``row`` (ROWS, 1)) it also masks
+    the tile's rows past the program's last, whose terms are then all zero."""
+    s = tl.load(S + row * stride_s_row + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.load(RSTD + row)
     if IS_RMS_NORM:
         xhat = s * rstd
     else:
-        xhat = tl.where(col_mask, (s - tl.load(MEAN + row)) * rstd, 0.0)
+        xhat = tl.where(mask, (s - tl.load(MEAN + row)) * rstd, 0.0)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w = tl.where(col_mask, w + 1.0, 0.0)
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
     wdy = w * dy
     dy1 = dy  # placeholder when there is no second output
     if HAS_W1:
         w1 = tl.load(W1 + cols, mask=col_mask, other=0.0).to(tl.float32)
         if ZERO_CENTERED_WEIGHT:
             w1 = tl.where(col_mask, w1 + 1.0, 0.0)
-        dy1 = tl.load(DY1 + row * stride_dy1_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dy1 = tl.load(DY1 + row * stride_dy1_row + cols, mask=mask, other=0.0).to(tl.float32)
         wdy += w1 * dy1
     return xhat, dy, dy1, wdy
 
@@ -568,7 +570,7 @@ def _input_grads(
     ds, row, col0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL,
     stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p,
     BLOCK_N: tl.constexpr, STORE_DRESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Store dresidual, dx1, dx of one row chunk from ds; return dx before layerscale * x0
     (the row's contribution to d(layerscale)), or a zero placeholder."""
@@ -577,12 +579,12 @@ def _input_grads(
     if HAS_X1:
         dx1 = ds
         if HAS_DROPOUT:
-            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N, 0)
+            keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N, ROWS)
             dx1 = tl.where(keep1, ds * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX1 + row * stride_dx1_row + cols, dx1, mask=col_mask)
     dx = ds
     if HAS_DROPOUT:
-        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N, 0)
+        keep = _keep_mask(SEEDS, row, col0, dropout_p, BLOCK_N, ROWS)
         dx = tl.where(keep, dx * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_ROWSCALE:
         dx *= tl.load(ROWSCALE + row).to(tl.float32)
@@ -616,10 +618,11 @@ def _block_input_grads(
     stride_dx1_row, stride_dres_row, dropout_p,
     BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr,
     STORE_DRESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """ds of one row's column block from its row sums c1, c2, then its input gradients
-    (``_input_grads``); returns the block's d(layerscale) terms."""
+    (``_input_grads``); returns the block's d(layerscale) terms. With ROWS > 0 the same for a
+    tile of rows (``col_mask`` then masks its rows too)."""
     if IS_RMS_NORM:
         ds = (wdy - xhat * c1) * rstd
     else:
@@ -631,7 +634,7 @@ def _block_input_grads(
         ds, row, col0, cols, col_mask, M, N, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
         DRESIDUAL, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
         dropout_p, BLOCK_N, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-        HAS_DROPOUT,
+        HAS_DROPOUT, ROWS,
     )  # fmt: skip
 
 
@@ -665,8 +668,8 @@ def _bwd_row_sums_kernel(
     for c in range(NUM_CHUNKS):
         ccols = c * BLOCK_N + cols
         xhat, _dy, _dy1, wdy = _row_grads(
-            S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, ccols < N, stride_s_row, stride_dy_row,
-            stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+            S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, ccols < N, ccols < N, stride_s_row,
+            stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
         acc1 += xhat * wdy
         if not IS_RMS_NORM:
@@ -674,6 +677,56 @@ def _bwd_row_sums_kernel(
     tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
     if not IS_RMS_NORM:
         tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
+
+
+@triton.jit
+def _bwd_row_tiles(
+    S, W, W1, MEAN, RSTD, DY, DY1, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+    DRESIDUAL, row_start, row_end, cols, col_mask, stride_s_row, stride_dy_row, stride_dy1_row,
+    stride_dres_out_row, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, M, N,
+    dropout_p, BLOCK_N: tl.constexpr, TILE_ROWS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_DRESIDUAL_OUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ROW_STAGES: tl.constexpr,
+):  # fmt: skip
+    """The backward of a program's narrow one-block rows (NUM_CHUNKS == 1, TAIL_N == 0),
+    TILE_ROWS at a time as one (TILE_ROWS, BLOCK_N) tile, so that a tile's loads are all in
+    flight before its row sums (config.bwd_tile_rows). Tile rows past the program's last row
+    read that row's addresses but are masked: their terms are zero and nothing is stored for
+    them. Returns the partial parameter gradients (dw, db, dw1, db1, dls) over the rows."""
+    tcols = cols[None, :]
+    tcol_mask = col_mask[None, :]
+    dw = tl.zeros((TILE_ROWS, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((TILE_ROWS, BLOCK_N), dtype=tl.float32)
+    dw1 = tl.zeros((TILE_ROWS, BLOCK_N), dtype=tl.float32)
+    db1 = tl.zeros((TILE_ROWS, BLOCK_N), dtype=tl.float32)
+    dls = tl.zeros((TILE_ROWS, BLOCK_N), dtype=tl.float32)
+    for r0 in tl.range(row_start, row_end, TILE_ROWS, num_stages=ROW_STAGES):
+        rows = r0 + tl.arange(0, TILE_ROWS)[:, None]
+        row = tl.minimum(rows, row_end - 1)
+        mask = (rows < row_end) & tcol_mask
+        xhat, dy, dy1, wdy = _row_grads(
+            S, DY, DY1, W, W1, MEAN, RSTD, row, tcols, tcol_mask, mask, stride_s_row,
+            stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+        )  # fmt: skip
+        dw, db, dw1, db1 = _param_grads(dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1)
+        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
+        c2 = 0.0
+        if not IS_RMS_NORM:
+            c2 = tl.sum(wdy, axis=1)[:, None] / N
+        rstd = tl.load(RSTD + row)
+        dls_rows = _block_input_grads(
+            xhat, wdy, c1, c2, rstd, row, 0, tcols, mask, M, N, DRESIDUAL_OUT, X0, LAYERSCALE,
+            ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
+            stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
+            HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
+            TILE_ROWS,
+        )  # fmt: skip
+        if HAS_LAYERSCALE:
+            dls += dls_rows
+    return (tl.sum(dw, axis=0), tl.sum(db, axis=0), tl.sum(dw1, axis=0), tl.sum(db1, axis=0),
+            tl.sum(dls, axis=0))  # fmt: skip
 
 
 @triton.jit
@@ -718,6 +771,7 @@ def _fused_norm_bwd_kernel(
     HAS_LAYERSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
+    TILE_ROWS: tl.constexpr,  # > 1: narrow one-block rows, that many per tile (_bwd_row_tiles)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
@@ -728,68 +782,80 @@ def _fused_norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if TAIL_N > 0:
-        tcols = BLOCK_N + tl.arange(0, TAIL_N)
-        tmask = tcols < N
-        tdw = tl.zeros((TAIL_N,), dtype=tl.float32)
-        tdb = tl.zeros((TAIL_N,), dtype=tl.float32)
-        tdw1 = tl.zeros((TAIL_N,), dtype=tl.float32)
-        tdb1 = tl.zeros((TAIL_N,), dtype=tl.float32)
-        tdls = tl.zeros((TAIL_N,), dtype=tl.float32)
-    for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
-        xhat, dy, dy1, wdy = _row_grads(
-            S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row,
-            stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+    if TILE_ROWS > 1:
+        dw, db, dw1, db1, dls = _bwd_row_tiles(
+            S, W, W1, MEAN, RSTD, DY, DY1, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX,
+            DX1, DRESIDUAL, row_start, row_end, cols, col_mask, stride_s_row, stride_dy_row,
+            stride_dy1_row, stride_dres_out_row, stride_x0_row, stride_dx_row, stride_dx1_row,
+            stride_dres_row, M, N, dropout_p, BLOCK_N, TILE_ROWS, IS_RMS_NORM, HAS_BIAS, HAS_W1,
+            HAS_B1, HAS_X1, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE,
+            HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES,
         )  # fmt: skip
-        dw, db, dw1, db1 = _param_grads(dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1)
+    else:
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if TAIL_N > 0:
-            txhat, tdy, tdy1, twdy = _row_grads(
-                S, DY, DY1, W, W1, MEAN, RSTD, row, tcols, tmask, stride_s_row,
+            tcols = BLOCK_N + tl.arange(0, TAIL_N)
+            tmask = tcols < N
+            tdw = tl.zeros((TAIL_N,), dtype=tl.float32)
+            tdb = tl.zeros((TAIL_N,), dtype=tl.float32)
+            tdw1 = tl.zeros((TAIL_N,), dtype=tl.float32)
+            tdb1 = tl.zeros((TAIL_N,), dtype=tl.float32)
+            tdls = tl.zeros((TAIL_N,), dtype=tl.float32)
+        for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
+            xhat, dy, dy1, wdy = _row_grads(
+                S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
                 stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
-            tdw, tdb, tdw1, tdb1 = _param_grads(
-                tdw, tdb, tdw1, tdb1, txhat, tdy, tdy1, HAS_BIAS, HAS_W1, HAS_B1
+            dw, db, dw1, db1 = _param_grads(
+                dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1
             )
-        # The row sums: from the block(s) when they hold the whole row, else from C12.
-        c2 = 0.0
-        if NUM_CHUNKS > 1:
-            c1 = tl.load(C12 + 2 * row)
-            if not IS_RMS_NORM:
-                c2 = tl.load(C12 + 2 * row + 1)
-        else:
-            c1 = tl.sum(xhat * wdy, axis=0)
             if TAIL_N > 0:
-                c1 += tl.sum(txhat * twdy, axis=0)
-            c1 = c1 / N
-            if not IS_RMS_NORM:
-                c2 = tl.sum(wdy, axis=0)
+                txhat, tdy, tdy1, twdy = _row_grads(
+                    S, DY, DY1, W, W1, MEAN, RSTD, row, tcols, tmask, tmask, stride_s_row,
+                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                tdw, tdb, tdw1, tdb1 = _param_grads(
+                    tdw, tdb, tdw1, tdb1, txhat, tdy, tdy1, HAS_BIAS, HAS_W1, HAS_B1
+                )
+            # The row sums: from the block(s) when they hold the whole row, else from C12.
+            c2 = 0.0
+            if NUM_CHUNKS > 1:
+                c1 = tl.load(C12 + 2 * row)
+                if not IS_RMS_NORM:
+                    c2 = tl.load(C12 + 2 * row + 1)
+            else:
+                c1 = tl.sum(xhat * wdy, axis=0)
                 if TAIL_N > 0:
-                    c2 += tl.sum(twdy, axis=0)
-                c2 = c2 / N
-        rstd = tl.load(RSTD + row)
-        dls_row = _block_input_grads(
-            xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,
-            LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
-            stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
-            HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT,
-        )  # fmt: skip
-        if HAS_LAYERSCALE:
-            dls += dls_row
-        if TAIL_N > 0:
-            tdls_row = _block_input_grads(
-                txhat, twdy, c1, c2, rstd, row, BLOCK_N, tcols, tmask, M, N, DRESIDUAL_OUT, X0,
-                LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row,
-                stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, TAIL_N,
-                IS_RMS_NORM, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE,
-                HAS_LAYERSCALE, HAS_DROPOUT,
+                    c1 += tl.sum(txhat * twdy, axis=0)
+                c1 = c1 / N
+                if not IS_RMS_NORM:
+                    c2 = tl.sum(wdy, axis=0)
+                    if TAIL_N > 0:
+                        c2 += tl.sum(twdy, axis=0)
+                    c2 = c2 / N
+            rstd = tl.load(RSTD + row)
+            dls_row = _block_input_grads(
+                xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,
+                LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
+                stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
+                HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, 0,
             )  # fmt: skip
             if HAS_LAYERSCALE:
-                tdls += tdls_row
+                dls += dls_row
+            if TAIL_N > 0:
+                tdls_row = _block_input_grads(
+                    txhat, twdy, c1, c2, rstd, row, BLOCK_N, tcols, tmask, M, N, DRESIDUAL_OUT, X0,
+                    LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row,
+                    stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, TAIL_N,
+                    IS_RMS_NORM, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE,
+                    HAS_LAYERSCALE, HAS_DROPOUT, 0,
+                )  # fmt: skip
+                if HAS_LAYERSCALE:
+                    tdls += tdls_row
     part = pid.to(tl.int64) * N
     _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, cols, col_mask,
                     dw, db, dw1, db1, dls, HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip

@@ -20,6 +20,7 @@ the direct path off.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import os
 import threading
 
@@ -126,6 +127,18 @@ def _key(device, num_warps, num_stages, constexpr_values, args, maxnreg) -> tupl
     return (device.index, num_warps, num_stages, constexpr_values, arg_key(args), maxnreg)
 
 
+def _constexpr_names(kernel, params) -> list:
+    """The kernel's constexpr parameters in order: from a compiled JITFunction's params, or
+    under the interpreter from the Python function's annotations."""
+    if params:
+        return [p.name for p in params if p.is_constexpr]
+    fn = getattr(kernel, "fn", None)
+    if fn is None:
+        return []
+    sig = inspect.signature(fn)
+    return [n for n, p in sig.parameters.items() if p.annotation is triton.language.constexpr]
+
+
 class Launcher:
     """``launcher(grid, device, args, constexprs, num_warps, num_stages, maxnreg)`` launches
     ``kernel`` (``maxnreg``: a cap on registers per thread, or None).
@@ -138,7 +151,7 @@ class Launcher:
         self.kernel = kernel
         params = getattr(kernel, "params", None)
         self.fast = FAST_LAUNCH and params is not None and hasattr(kernel, "device_caches")
-        self.constexpr_names = [p.name for p in params if p.is_constexpr] if params else []
+        self.constexpr_names = _constexpr_names(kernel, params)
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
 
@@ -148,6 +161,8 @@ class Launcher:
         """Launch; ``on_miss`` is called first when this configuration has not been launched
         yet (it will compile), e.g. to start compiling the backward meanwhile."""
         if not (self.fast and device.type == "cuda") or _hooked():
+            if list(constexprs) != self.constexpr_names:  # as below (the CPU tests see it too)
+                raise AssertionError(f"constexprs out of order: {list(constexprs)}")
             return self._jit(
                 grid, device, args, constexprs, _options(num_warps, num_stages, maxnreg)
             )

@@ -320,7 +320,9 @@ def _bwd_run(
             ),
             config.BWD_SUMS_WARPS,
         )  # fmt: skip
-    key = (dev, block_n, row_bytes, dropout_p > 0.0, num_chunks, partials)
+    tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
+    # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
+    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials)
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     args = (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
@@ -344,6 +346,7 @@ def _bwd_run(
         HAS_LAYERSCALE=layerscale is not None,
         HAS_DROPOUT=dropout_p > 0.0,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        TILE_ROWS=tile_rows,
     )
     grid = (programs, num_chunks)
     maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)

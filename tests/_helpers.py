@@ -630,6 +630,21 @@ def split_rows(value: int) -> patched_config:
                           sm_count=lambda device: 64)  # fmt: skip
 
 
+def few_programs(count: int) -> patched_config:
+    """At most ``count`` backward programs (``fused_norm.config.bwd_num_programs``), so that each
+    owns several rows: on the CPU the fallback SM count gives a program per row to the few
+    rows the tests draw."""
+    return patched_config(
+        bwd_num_programs=lambda n_rows, device, num_warps, num_chunks: max(min(count, n_rows), 1)
+    )
+
+
+def one_row_per_program() -> patched_config:
+    """No tiles of narrow rows (``FWD_ROWS_PER_PROGRAM``, ``BWD_TILE_ROWS``): the forward and
+    backward take one row at a time, as they do for rows wider than the tiles' widths."""
+    return patched_config(FWD_ROWS_PER_PROGRAM=1, BWD_TILE_ROWS=1)
+
+
 def tail_blocks(value) -> patched_config:
     """Set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is not a power of two
     held as two blocks: True wherever that is narrower than the padded block, False never,

@@ -51,6 +51,7 @@ MATRIX = (
     # odd), 1-2 warps per backward program; plain norms take several rows up to 512 columns.
     + [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm_fp32res") for n in (100, 256)]
     + [("ln", 400, BF16), ("rms", 512, BF16), ("x1_w1", 512, BF16), ("add_rms_prenorm", 512, BF16)]
+    + [("drop_add_ln_prenorm", 512, BF16)]  # the backward's tiles of rows with dropout
     # Widths held as two blocks (config.block_tail): forward 2560 = 2048 + 512, 3000 =
     # 2048 + 1024 (the tail partly empty), 5120 = 4096 + 1024, 6144, 12288 (above); backward
     # 5120 and 6144.

@@ -12,6 +12,7 @@ The example counts are set per test (``max_examples``); conftest prints the numb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -20,7 +21,9 @@ from _helpers import (
     Case,
     check_case,
     count_example,
+    few_programs,
     max_block_bytes,
+    one_row_per_program,
     patched_config,
     split_rows,
     tail_blocks,
@@ -91,12 +94,23 @@ def cases(draw, api="fn", max_n=320, max_rows=24, min_n=1):
     )
 
 
+LAYOUTS = {
+    # Narrow rows (all these widths) in tiles of several rows, a backward program per row here.
+    "tiles": contextlib.nullcontext,
+    # One row at a time, as wider rows run on a GPU.
+    "one-row": one_row_per_program,
+    # Tiles with up to three backward programs: each walks several tiles, the last partly full.
+    "tiles-few-programs": lambda: few_programs(3),
+}
+
+
 @settings(max_examples=EXAMPLES_FN)
-@given(case=cases("fn"))
-def test_fn_matches_reference(case):
+@given(case=cases("fn"), layout=st.sampled_from(list(LAYOUTS)))
+def test_fn_matches_reference(case, layout):
     """layer_norm_fn / rms_norm_fn, one block per row: outputs and all grads vs reference."""
     count_example("test_fn_matches_reference")
-    check_case(case, "fn")
+    with LAYOUTS[layout]():
+        check_case(case, "fn")
 
 
 @settings(max_examples=EXAMPLES_TWO_BLOCKS)
