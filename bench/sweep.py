@@ -232,7 +232,7 @@ def main():
             config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
             config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
             config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps, config.fwd_maxnreg,
-            config.bwd_maxnreg, config.BWD_TILE_ROWS, config.BWD_TILE_ROWS_MAX_N)  # fmt: skip
+            config.bwd_maxnreg, config.bwd_tile_rows)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
@@ -265,9 +265,10 @@ def main():
                 config.bwd_maxnreg = lambda *a, _r=mr: _r
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
-            if br:  # an explicit tile applies to every one-block width
-                config.BWD_TILE_ROWS = br
-                config.BWD_TILE_ROWS_MAX_N = 1 << 30
+            if br:  # an explicit tile applies to every one-block width, with or without dropout
+                config.bwd_tile_rows = lambda bn, nc, tail=0, drop=True, _r=br: (
+                    _r if nc == 1 and not tail else 1
+                )
             if wps:
                 config.BWD_WARPS_PER_SM = wps
             if maxb:
@@ -323,8 +324,7 @@ def main():
                  config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
                  config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
                  config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
-                 config.fwd_maxnreg, config.bwd_maxnreg, config.BWD_TILE_ROWS,
-                 config.BWD_TILE_ROWS_MAX_N) = orig  # fmt: skip
+                 config.fwd_maxnreg, config.bwd_maxnreg, config.bwd_tile_rows) = orig  # fmt: skip
                 config.TAIL_BLOCKS = "measured"
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
