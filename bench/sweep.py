@@ -288,25 +288,18 @@ def main():
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
                 bn, split = config.fwd_split(n, 2, device, drop or workload == "parallel")
-                nc = 1
+                nc, tl_, fr_ = 1, 0, 1
                 if split == 1:
-                    bn, nc = config.block_config(n, 2)
-                tl_ = 0
-                if split == 1 and config.fwd_rows_per_program(bn, nc, plain) == 1:
-                    tl_ = config.fwd_block_tail(n, bn, nc)[1]
+                    bn, nc, tl_, fr_ = config.fwd_block_layout(n, 2, plain)
                 warps = (config.fwd_split_warps(plain, split) if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(bn, nc, split, drop, workload == "parallel", 2, device)
-                desc = (
-                    f"warps={warps} rows={config.fwd_rows_per_program(bn, nc, plain)} "
-                    f"split={bn}x{split} maxnreg={maxnreg} "
-                    f"tail={tl_}"
-                )
+                desc = f"warps={warps} rows={fr_} split={bn}x{split} maxnreg={maxnreg} tail={tl_}"
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
-                bn, nc = config.bwd_block_config(n, 2, partials, drop)
-                tl_ = config.bwd_block_tail(n, bn, nc, partials, drop)[1]
-                bw_ = config.bwd_num_warps(bn, partials, drop, tl_, workload in ("ln", "rms"))
+                bn, nc, tl_, bw_ = config.bwd_layout(
+                    n, 2, partials, drop, workload in ("ln", "rms")
+                )
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "

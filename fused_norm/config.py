@@ -109,6 +109,17 @@ def bwd_block_tail(
     return main, tail
 
 
+def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, int, int]:
+    """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program) of a forward row that is not split: the
+    padded block and its chunks (block_config), the tail where that block is held as two
+    (fwd_block_tail: its first block is then BLOCK_N // 2; a tile of several rows keeps one
+    block) and the rows per program (fwd_rows_per_program)."""
+    block_n, num_chunks = block_config(n_cols, elem_bytes)
+    rows = fwd_rows_per_program(block_n, num_chunks, plain)
+    tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
+    return block_n, num_chunks, tail, rows
+
+
 def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0) -> int:
     """Warps per forward program (one row each). ``plain`` is "ln" or "rms" for a norm of x
     alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer.
@@ -387,6 +398,17 @@ def bwd_block_config(
     if num_chunks > 1:
         block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
     return block_n, num_chunks
+
+
+def bwd_layout(
+    n_cols: int, elem_bytes: int, partials: int, dropout: bool, plain: bool
+) -> tuple[int, int, int, int]:
+    """(BLOCK_N, NUM_CHUNKS, TAIL_N, warps) of the backward: the padded block and its column
+    blocks (bwd_block_config), the tail where that block is held as two (bwd_block_tail: its
+    first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
+    block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout)
+    tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout)[1]
+    return block_n, num_chunks, tail, bwd_num_warps(block_n, partials, dropout, tail, plain)
 
 
 def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int, num_chunks: int) -> int:

@@ -162,13 +162,8 @@ def _fwd_run(
         num_warps = config.fwd_split_warps(plain, split)
         kernel_block, tail = block_n, 0
     else:
-        block_n, num_chunks = config.block_config(n, elem_bytes)
-        rows = config.fwd_rows_per_program(block_n, num_chunks, plain)
-        # The kernel may hold the padded block as two narrower ones (config.block_tail); a tile
-        # of several rows keeps one.
-        kernel_block, tail = block_n, 0
-        if rows == 1:
-            kernel_block, tail = config.fwd_block_tail(n, block_n, num_chunks)
+        block_n, num_chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
+        kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
     _FWD(
@@ -415,11 +410,9 @@ def fused_norm_bwd(
     partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     dropout = dropout_p > 0.0
-    block_n, num_chunks = config.bwd_block_config(n, elem_bytes, partials, dropout)
-    tail = config.bwd_block_tail(n, block_n, num_chunks, partials, dropout)[1]
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
-    warps = config.bwd_num_warps(block_n, partials, dropout, tail, plain)
+    block_n, num_chunks, tail, warps = config.bwd_layout(n, elem_bytes, partials, dropout, plain)
     programs = config.bwd_num_programs(m, dev, warps, num_chunks)
 
     def part(present):
