@@ -186,6 +186,16 @@ def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bo
     return None
 
 
+def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
+    """Whether a one-block LayerNorm row takes its mean and M2 from one joint sum of (s, s^2)
+    (kernels._sums) rather than the mean and then the squares about it. Everywhere but one
+    whole block of 16K 16-bit columns without dropout or x1: there the joint sum needs 82
+    registers (two 16-warp programs per SM need <= 64) and, capped at 64, measured 85.7% of
+    copy against the two-pass 90.0% in the benchmark (bench/NOTES.md #32). Split parts
+    (kernels._fwd_split_row) always take it."""
+    return not (block_n == 16384 and tail == 0 and elem_bytes == 2 and not dropout and not x1)
+
+
 def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
                 device: torch.device):  # fmt: skip
     """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for

@@ -6,8 +6,10 @@ Design notes
 * Forward, one program per row (narrow rows: a tile of several, config.fwd_rows_per_program).
   The row is read once: every optional input is combined into the fp32 pre-norm sum ``s`` in
   registers, ``s`` is stored as the residual stream if asked, the statistics are taken from
-  the fp32 ``s`` (two-pass mean/variance over registers, which is as accurate as Welford and
-  cheaper), and ``y = xhat * w + b`` is written. A row whose width is not a power of two may
+  the fp32 ``s`` in registers, and ``y = xhat * w + b`` is written. LayerNorm takes sum(s) and
+  sum(s^2) in one joint reduction and M2 = sum(s^2) - sum(s) * mean, unless that cancels
+  (the mean beyond ~2.6 standard deviations, ``_cancels``): then M2 = sum((s - mean)^2), a
+  second pass over the registers, as accurate as Welford. A row whose width is not a power of two may
   be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N`` columns, instead of one
   padded block (``config.block_tail``); the backward likewise.
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
@@ -46,6 +48,15 @@ The maths (per row, N columns, fp32):
 
 import triton
 import triton.language as tl
+
+from .config import INTERPRETED
+
+# LayerNorm's M2 from one joint reduction of (s, s^2) is kept while sum(s^2) <= CANCEL_RATIO *
+# M2 (see _cancels).
+CANCEL_RATIO = tl.constexpr(8.0)
+# Triton's interpreter runs a tl.reduce with a combine function element by element in Python:
+# slow, and a sequential sum, less accurate than the tree a GPU (or its numpy tl.sum) adds in.
+JOINT_SUMS = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
@@ -112,6 +123,33 @@ def _combine_inputs(
 
 
 @triton.jit
+def _add_pairs(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
+def _sums(s, axis: tl.constexpr):
+    """``(sum(s), sum(s * s))`` along ``axis`` in one reduction: one exchange between warps
+    (two tl.sum under the interpreter: see JOINT_SUMS)."""
+    if JOINT_SUMS:
+        total, squares = tl.reduce((s, s * s), axis, _add_pairs)
+    else:
+        total = tl.sum(s, axis=axis)
+        squares = tl.sum(s * s, axis=axis)
+    return total, squares
+
+
+@triton.jit
+def _cancels(squares, m2):
+    """Whether ``m2 = squares - total * mean`` lost too much to cancellation, i.e. the mean is
+    large against the spread (|mean| > ~2.6 standard deviations): ``m2`` is then recomputed
+    exactly over ``s - mean``. Below that the relative error of m2 is at most 8x that of the
+    sum of squares (a few ulps of fp32), and one joint reduction replaces two in a row
+    (bench/NOTES.md #32)."""
+    return squares > CANCEL_RATIO * m2
+
+
+@triton.jit
 def _normalize_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row,
     HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
@@ -132,14 +170,17 @@ def _fwd_row(
     MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
     stride_y1_row, stride_res_out_row, M, N, eps, dropout_p,
     BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
-    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-    HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    JOINT_STATS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     """The forward of one row held whole in registers (NUM_CHUNKS == 1): columns
     ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
-    (5120 columns as 4096 + 1024 instead of one block padded to 8192: config.block_tail)."""
+    (5120 columns as 4096 + 1024 instead of one block padded to 8192: config.block_tail).
+    LayerNorm's statistics: one joint sum where JOINT_STATS (config.fwd_joint_stats), else
+    the mean, then the sum of squares about it."""
     col_mask = cols < N
     s = _combine_inputs(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
@@ -166,19 +207,38 @@ def _fwd_row(
         if TAIL_N > 0:
             tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, t, mask=tmask)
             t = t.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
-    if not IS_RMS_NORM:
-        total = tl.sum(s, axis=0)
+    # (t exists only where TAIL_N > 0: each use sits under that constexpr test.)
+    if IS_RMS_NORM:
+        m2 = tl.sum(s * s, axis=0)
         if TAIL_N > 0:
-            total += tl.sum(t, axis=0)
+            m2 += tl.sum(t * t, axis=0)
+    else:
+        if JOINT_STATS:
+            total, squares = _sums(s, 0)
+            if TAIL_N > 0:
+                t_total, t_squares = _sums(t, 0)
+                total += t_total
+                squares += t_squares
+        else:
+            total = tl.sum(s, axis=0)
+            if TAIL_N > 0:
+                total += tl.sum(t, axis=0)
         mean = total / N
         s = tl.where(col_mask, s - mean, 0.0)
         if TAIL_N > 0:
             t = tl.where(tmask, t - mean, 0.0)
+        if JOINT_STATS:
+            m2 = squares - total * mean
+            if _cancels(squares, m2):
+                m2 = tl.sum(s * s, axis=0)
+                if TAIL_N > 0:
+                    m2 += tl.sum(t * t, axis=0)
+        else:
+            m2 = tl.sum(s * s, axis=0)
+            if TAIL_N > 0:
+                m2 += tl.sum(t * t, axis=0)
         tl.store(MEAN + row, mean)
-    squares = tl.sum(s * s, axis=0)
-    if TAIL_N > 0:
-        squares += tl.sum(t * t, axis=0)
-    rstd = 1.0 / tl.sqrt(squares / N + eps)
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
@@ -354,9 +414,13 @@ def _fwd_split_row(
     if IS_RMS_NORM:
         word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
     else:
-        mean_p = tl.sum(s, axis=0) / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
-        d = tl.where(col_mask, s - mean_p, 0.0)
-        word = _pack_stats(mean_p, tl.sum(d * d, axis=0))
+        total, squares = _sums(s, 0)
+        mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
+        m2 = squares - total * mean_p
+        if _cancels(squares, m2):
+            d = tl.where(col_mask, s - mean_p, 0.0)
+            m2 = tl.sum(d * d, axis=0)
+        word = _pack_stats(mean_p, m2)
     tl.atomic_cas(WS + row * SPLIT + part, tl.zeros((), dtype=tl.int64), word, sem="relaxed")
     parts = tl.arange(0, SPLIT_P2)
     pmask = parts < SPLIT
@@ -437,6 +501,7 @@ def _fused_norm_fwd_kernel(
     TAIL_N: tl.constexpr,         # one-block rows: a second block after BLOCK_N (0: none)
     NUM_CHUNKS: tl.constexpr,     # cdiv(N, BLOCK_N); 1 keeps the whole row in registers
     IS_RMS_NORM: tl.constexpr,
+    JOINT_STATS: tl.constexpr,    # LayerNorm one-block rows: one joint sum (config.fwd_joint_stats)
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_X1: tl.constexpr,
@@ -471,8 +536,9 @@ def _fused_norm_fwd_kernel(
                 X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
                 MASK, MASK1, MEAN, RSTD, row0, cols, stride_x_row, stride_y_row, stride_res_row,
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
-                TAIL_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
-                HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
+                TAIL_N, IS_RMS_NORM, JOINT_STATS, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
+                HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
+                ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
         else:  # narrow rows, several per program as one tile (one block: TAIL_N == 0)
             _fwd_rows(

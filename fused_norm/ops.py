@@ -177,6 +177,8 @@ def _fwd_run(
             TAIL_N=tail,
             NUM_CHUNKS=num_chunks,
             IS_RMS_NORM=is_rms_norm,
+            JOINT_STATS=config.fwd_joint_stats(block_n, tail, elem_bytes, dropout_p > 0.0,
+                                               x1 is not None),
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             HAS_X1=x1 is not None,

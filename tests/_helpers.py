@@ -62,6 +62,7 @@ from fused_norm import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL_ULPS = 4.0
 INTERPRETED = fused_norm.autograd.KERNELS_INTERPRETED
+CANCEL_RATIO = fused_norm.kernels.CANCEL_RATIO.value  # LayerNorm's joint statistics (kernels)
 # Names of the differentiable inputs, in the order the runner reports them.
 GRAD_NAMES = ("x", "weight", "bias", "residual", "x1", "weight1", "bias1", "layerscale")
 
@@ -469,7 +470,17 @@ def rounding_bounds(case: Case, t64: dict, masks, stream, upstream: dict, used):
         return times_abs(-r * r * c1, [-r2n * q, -r2n * xhat], [xhat, gk], const, delta)
 
     err_s = 4 * u * s_abs.detach()
-    err_r = ((big_l + 2) * u * var + u * (var + case.eps)) / (2 * (var + case.eps)) + 3 * u
+    err_var = (big_l + 2) * u * var
+    if layer_norm:
+        # The kernels take LayerNorm's M2 as sum(s^2) - sum(s) * mean (one joint sum) where
+        # sum(s^2) <= CANCEL_RATIO * M2 over the columns they hold (kernels._cancels), else as
+        # sum((s - mean)^2): the joint form errs by (L + 2) u mean(s^2) (squares, tree sum,
+        # the subtraction) + (2 L + 3) u |mean| mean|s| (the sum, / N, its product), at most
+        # CANCEL_RATIO (3 L + 5) u var where it is taken (|mean| mean|s| <= mean(s^2)).
+        joint = (big_l + 2) * u * mean(s * s)
+        joint = joint + (2 * big_l + 3) * u * mean(s).abs() * mean(s.abs())
+        err_var = err_var + torch.minimum(joint, CANCEL_RATIO * (3 * big_l + 5) * u * var)
+    err_r = (err_var + u * (var + case.eps)) / (2 * (var + case.eps)) + 3 * u
     err_x = xhat_times(err_s, layer_norm) + x_abs * (err_r + u)  # (A), r, xhat = d * r
     err_ds = ds_times(err_s, layer_norm) + err_r * r * q.abs()
     if layer_norm:

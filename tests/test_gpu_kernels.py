@@ -86,6 +86,21 @@ def test_gpu_matches_reference(flags, n, dtype):
     check_case(_case(flags, n, dtype), "fn", device="cuda")
 
 
+@pytest.mark.parametrize(
+    "n, dtype", [(1024, FP32), (12288, BF16), (16384, BF16), (16384, FP32), (65536, FP32),
+                 (262144, BF16)],
+)  # fmt: skip
+@pytest.mark.parametrize("offset", [2.6, 2.9])
+def test_gpu_layer_norm_joint_statistics(n, dtype, offset):
+    """LayerNorm's mean and M2 from one joint sum of (s, s^2) (kernels._sums): with the mean
+    2.6 standard deviations off zero the joint form is kept with the most cancellation it
+    allows (sum(s^2) = 7.8 M2), at 2.9 the kernels recompute M2 over s - mean; one whole
+    block, two blocks (12288), split rows, and the 16K 16-bit block, which keeps the two-pass
+    statistics (config.fwd_joint_stats)."""
+    case = Case(shape=(_rows(n), n), dtype=dtype, offset=offset, seed=11)
+    check_case(case, "fn", device="cuda")
+
+
 def test_gpu_persistent_grid_many_rows():
     """M far above the backward's program count (2 x SMs): each program reduces ~60 rows of
     dW/dB partials; checked against the reference."""

@@ -140,6 +140,18 @@ def test_backward_compiles_during_first_forward(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_joint_statistics_rule():
+    """LayerNorm's one-block rows take the joint sum of (s, s^2) except one whole 16K 16-bit
+    block without dropout or x1 (config.fwd_joint_stats, bench/NOTES.md #32)."""
+    from fused_norm import config
+
+    assert not config.fwd_joint_stats(16384, 0, 2, False, False)
+    for args in ((16384, 4096, 2, False, False), (16384, 0, 4, False, False),
+                 (16384, 0, 2, True, False), (16384, 0, 2, False, True),
+                 (8192, 0, 2, False, False), (32768, 0, 2, False, False)):  # fmt: skip
+        assert config.fwd_joint_stats(*args), args
+
+
 def test_register_caps_only_where_measured():
     """config's register caps (Triton's maxnreg) go to NVIDIA GPUs only (other backends refuse
     the option) and only to the configurations the sweeps chose (bench/NOTES.md #24): a cap
