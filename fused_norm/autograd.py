@@ -74,72 +74,70 @@ def _shaped(t, shape):
     return t if t is None or len(shape) == 2 else t.view(shape)
 
 
-class FusedNormFunction(torch.autograd.Function):
-    """Forward and backward through the Triton kernels.
+def _kernel_forward(x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
+                    residual_out, opts, ctx=None):  # fmt: skip
+    """The forward through the kernels: ``(y, y1, residual_out, mask, mask1)``, shaped like x.
 
-    Inputs: the tensors, then ``opts = (eps, dropout_p, prenorm, residual_dtype,
-    zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype)`` (one argument: each
-    argument of ``apply`` costs host time). Outputs ``(y, y1, residual_out, mask, mask1)``, each
-    None where absent.
+    With ``ctx`` (FusedNormFunction.forward) it saves what the backward needs; without (no
+    autograd graph to record: fused_norm's path for inference) nothing. Either way the kernels
+    store the pre-norm sum unless it is x itself and normalise it as stored, so that both give
+    bitwise the same outputs (activation checkpointing may run one and then the other).
     """
+    (eps, dropout_p, prenorm, residual_dtype, zero_centered_weight, is_rms_norm,
+     return_dropout_mask, out_dtype) = opts  # fmt: skip
+    shape, n = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    seeds = None
+    if dropout_p > 0.0:
+        # Drawn on the device from torch's generator: capturable in CUDA graphs, replayed by
+        # activation checkpointing (which restores the RNG state), no host sync.
+        count = 2 * m if x1 is not None else m
+        seeds = torch.randint(0, 2**31 - 1, (count,), device=x.device, dtype=torch.int64)
+    # The backward needs the normalised sum s; store it unless it is x itself.
+    s_is_x = (
+        residual is None and x1 is None and rowscale is None and layerscale is None
+        and dropout_p == 0.0 and residual_dtype == x.dtype
+    )  # fmt: skip
+    if rowscale is not None:
+        rowscale = rowscale.reshape(-1).contiguous()
+    # The kernels read parameters with unit stride (contiguous() is free where they are).
+    weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    if weight1 is not None:
+        weight1 = weight1.contiguous()
+        bias1 = bias1.contiguous() if bias1 is not None else None
+    layerscale = layerscale.contiguous() if layerscale is not None else None
+    dtypes = (
+        x.dtype,
+        residual.dtype if residual is not None else None,
+        x1.dtype if x1 is not None else None,
+    )
+    warm_bwd = None
+    if ctx is not None and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
-                residual_out, opts):  # fmt: skip
-        (eps, dropout_p, prenorm, residual_dtype, zero_centered_weight, is_rms_norm,
-         return_dropout_mask, out_dtype) = opts  # fmt: skip
-        shape, n = x.shape, x.shape[-1]
-        x2 = _rows(x)
-        m = x2.shape[0]
-        seeds = None
-        if dropout_p > 0.0:
-            # Drawn on the device from torch's generator: capturable in CUDA graphs, replayed by
-            # activation checkpointing (which restores the RNG state), no host sync.
-            count = 2 * m if x1 is not None else m
-            seeds = torch.randint(0, 2**31 - 1, (count,), device=x.device, dtype=torch.int64)
-        # The backward needs the normalised sum s; store it unless it is x itself.
-        s_is_x = (
-            residual is None and x1 is None and rowscale is None and layerscale is None
-            and dropout_p == 0.0 and residual_dtype == x.dtype
-        )  # fmt: skip
-        if rowscale is not None:
-            rowscale = rowscale.reshape(-1).contiguous()
-        # The kernels read parameters with unit stride (contiguous() is free where they are).
-        weight = weight.contiguous()
-        bias = bias.contiguous() if bias is not None else None
-        if weight1 is not None:
-            weight1 = weight1.contiguous()
-            bias1 = bias1.contiguous() if bias1 is not None else None
-        layerscale = layerscale.contiguous() if layerscale is not None else None
-        dtypes = (
-            x.dtype,
-            residual.dtype if residual is not None else None,
-            x1.dtype if x1 is not None else None,
-        )
-        warm_bwd = None
-        if any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+        def warm_bwd(y, y1, res_out, mean, rstd):
+            # The backward this forward's first compile will be followed by, with the
+            # outputs standing in for their gradients: compiled meanwhile.
+            ops.fused_norm_bwd(
+                y, x2 if s_is_x else res_out, weight, bias, weight1, bias1, mean, rstd,
+                dy1=y1, dresidual_out=res_out if prenorm else None,
+                x0=x2 if layerscale is not None else None, layerscale=layerscale,
+                rowscale=rowscale, seeds=seeds, dropout_p=dropout_p, is_rms_norm=is_rms_norm,
+                zero_centered_weight=zero_centered_weight, x_dtype=dtypes[0],
+                residual_dtype=dtypes[1], x1_dtype=dtypes[2], warm=True,
+            )  # fmt: skip
 
-            def warm_bwd(y, y1, res_out, mean, rstd):
-                # The backward this forward's first compile will be followed by, with the
-                # outputs standing in for their gradients: compiled meanwhile.
-                ops.fused_norm_bwd(
-                    y, x2 if s_is_x else res_out, weight, bias, weight1, bias1, mean, rstd,
-                    dy1=y1, dresidual_out=res_out if prenorm else None,
-                    x0=x2 if layerscale is not None else None, layerscale=layerscale,
-                    rowscale=rowscale, seeds=seeds, dropout_p=dropout_p, is_rms_norm=is_rms_norm,
-                    zero_centered_weight=zero_centered_weight, x_dtype=dtypes[0],
-                    residual_dtype=dtypes[1], x1_dtype=dtypes[2], warm=True,
-                )  # fmt: skip
-
-        y, y1, res_out, mean, rstd, mask, mask1 = ops.fused_norm_fwd(
-            x2, weight, bias, _rows(residual), _rows(x1), weight1, bias1, rowscale, layerscale,
-            seeds, eps, dropout_p, is_rms_norm, zero_centered_weight, out_dtype or x.dtype,
-            residual_dtype, store_residual_out=prenorm or not s_is_x,
-            store_mask=return_dropout_mask,
-            y=out.view(-1, n) if out is not None else None,
-            residual_out=residual_out.view(-1, n) if residual_out is not None else None,
-            warm_bwd=warm_bwd,
-        )  # fmt: skip
+    y, y1, res_out, mean, rstd, mask, mask1 = ops.fused_norm_fwd(
+        x2, weight, bias, _rows(residual), _rows(x1), weight1, bias1, rowscale, layerscale,
+        seeds, eps, dropout_p, is_rms_norm, zero_centered_weight, out_dtype or x.dtype,
+        residual_dtype, store_residual_out=prenorm or not s_is_x,
+        store_mask=return_dropout_mask,
+        y=out.view(-1, n) if out is not None else None,
+        residual_out=residual_out.view(-1, n) if residual_out is not None else None,
+        warm_bwd=warm_bwd,
+    )  # fmt: skip
+    if ctx is not None:
         # Save a caller's residual_out buffer itself, not a view of it made here: it is marked
         # dirty below, and autograd refuses views of dirtied tensors made inside forward.
         saved_s = x2 if s_is_x else (residual_out if residual_out is not None else res_out)
@@ -153,13 +151,29 @@ class FusedNormFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if out is not None or (prenorm and residual_out is not None):
             ctx.mark_dirty(*(t for t in (out, residual_out if prenorm else None) if t is not None))
-        y = out if out is not None else _shaped(y, shape)
-        if prenorm:
-            res_out = residual_out if residual_out is not None else _shaped(res_out, shape)
-        else:
-            res_out = None
-        # Bool masks need no mark_non_differentiable: autograd never differentiates bool outputs.
-        return y, _shaped(y1, shape), res_out, _shaped(mask, shape), _shaped(mask1, shape)
+    y = out if out is not None else _shaped(y, shape)
+    if prenorm:
+        res_out = residual_out if residual_out is not None else _shaped(res_out, shape)
+    else:
+        res_out = None
+    # Bool masks need no mark_non_differentiable: autograd never differentiates bool outputs.
+    return y, _shaped(y1, shape), res_out, _shaped(mask, shape), _shaped(mask1, shape)
+
+
+class FusedNormFunction(torch.autograd.Function):
+    """Forward and backward through the Triton kernels.
+
+    Inputs: the tensors, then ``opts = (eps, dropout_p, prenorm, residual_dtype,
+    zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype)`` (one argument: each
+    argument of ``apply`` costs host time). Outputs ``(y, y1, residual_out, mask, mask1)``, each
+    None where absent.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
+                residual_out, opts):  # fmt: skip
+        return _kernel_forward(x, weight, bias, residual, x1, weight1, bias1, rowscale,
+                               layerscale, out, residual_out, opts, ctx)  # fmt: skip
 
     @staticmethod
     def backward(ctx, dy, dy1, dresidual_out, _dmask, _dmask1):
@@ -195,6 +209,13 @@ class FusedNormFunction(torch.autograd.Function):
             return dx_full if t is dx else _shaped(t, shape)
 
         return dx_full, dw, db, full(dres), full(dx1), dw1, db1, None, dls, None, None, None
+
+
+def _graph_needed(*tensors) -> bool:
+    """Whether autograd would record a graph through these inputs."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _torch_forward(
@@ -256,10 +277,13 @@ def fused_norm(
     if kernels:
         opts = (float(eps), float(dropout_p), bool(prenorm), residual_dtype,
                 bool(zero_centered_weight), bool(is_rms_norm), bool(return_dropout_mask), out_dtype)  # fmt: skip
-        return FusedNormFunction.apply(
-            x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
-            residual_out if prenorm else None, opts,
-        )  # fmt: skip
+        args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out,
+                residual_out if prenorm else None, opts)  # fmt: skip
+        graph = _graph_needed(x, weight, bias, residual, x1, weight1, bias1, layerscale)
+        if not graph and out is None and residual_out is None:
+            # No autograd graph to record (inference): the Function's host time is skipped.
+            return _kernel_forward(*args)
+        return FusedNormFunction.apply(*args)
     return _torch_forward(
         x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, eps, dropout_p,
         residual_dtype, zero_centered_weight, is_rms_norm, out_dtype, out,

@@ -93,9 +93,17 @@ def set_fast(on):
         launcher.fast = on and launch.FAST_LAUNCH
 
 
+def no_grad(fwd, _):
+    def step():
+        with torch.no_grad():
+            return fwd()
+
+    return step
+
+
 rows = []
 for name, fused, eager, leaves in workloads():
-    for mode, make in (("fwd", lambda f, _: f), ("fwd+bwd", step_of)):
+    for mode, make in (("fwd", lambda f, _: f), ("fwd+bwd", step_of), ("no_grad", no_grad)):
         row = [name, mode]
         for fast in (True, False):
             set_fast(fast)
@@ -106,6 +114,13 @@ for name, fused, eager, leaves in workloads():
 lines.append(f"M={M}, N={N}, bf16; us per call (host wall time of back-to-back calls)")
 lines.append(f"{'workload':12s} {'mode':8s} {'direct':>8s} {'jit':>8s} {'torch':>8s}")
 lines += [f"{r[0]:12s} {r[1]:8s} {r[2]:8.1f} {r[3]:8.1f} {r[4]:8.1f}" for r in rows]
+# The no_grad rows skip the autograd Function (autograd._kernel_forward); through it instead:
+graph_needed = fused_norm.autograd._graph_needed
+fused_norm.autograd._graph_needed = lambda *t: True
+for name, fused, _eager, leaves in workloads():
+    lines.append(f"{name:12s} no_grad through the autograd Function: "
+                 f"{per_call(no_grad(fused, leaves)):.1f} us")  # fmt: skip
+fused_norm.autograd._graph_needed = graph_needed
 
 # The pieces: one forward launch each way, an allocation.
 y = torch.empty_like(x)

@@ -339,6 +339,54 @@ def test_grads_of_x_and_residual_are_separate_tensors(device):
     assert torch.equal(t["x"].grad, gx), "x.grad aliases residual.grad or x1.grad"
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(residual=True, prenorm=True, residual_in_fp32=True),
+     dict(residual=True, dropout_p=0.2, return_dropout_mask=True),
+     dict(x1=True, weight1=True, dropout_p=0.1, prenorm=True, rowscale=True),
+     dict(residual=True, is_rms_norm=True, zero_centered_weight=True)],
+    ids=["plain", "prenorm-fp32-stream", "dropout-masks", "x1-w1-rowscale", "rms-zcw"],
+)  # fmt: skip
+@pytest.mark.parametrize("how", ["no_grad", "no_requires_grad"])
+def test_no_graph_forward_matches_autograd_forward(kw, how, device, monkeypatch):
+    """Without an autograd graph to record (torch.no_grad, or no input requiring grad) the
+    kernels run without the autograd Function: same outputs bitwise (same dropout masks from
+    the same seed), since reentrant activation checkpointing runs one and then the other."""
+    from fused_norm import autograd as fa
+
+    t = _inputs((3, 5, 40), dtype=torch.bfloat16, device=device, grad=True)
+    rowscale = torch.rand(3, 5, device=device) + 0.5
+
+    def call(grad_inputs):
+        args = {k: v if grad_inputs else v.detach() for k, v in t.items()}
+        extra = {k: v for k, v in kw.items() if k not in ("residual", "x1", "weight1", "rowscale")}
+        torch.manual_seed(3)
+        return _flat(layer_norm_fn(
+            args["x"], args["weight"], args["bias"],
+            residual=args["residual"] if kw.get("residual") else None,
+            x1=args["x1"] if kw.get("x1") else None,
+            weight1=args["weight1"] if kw.get("weight1") else None,
+            rowscale=rowscale if kw.get("rowscale") else None, **extra,
+        ))  # fmt: skip
+
+    want = call(True)
+    assert want[0].grad_fn is not None
+    monkeypatch.setattr(fa.FusedNormFunction, "apply", None)  # the Function must not be used
+    if how == "no_grad":
+        with torch.no_grad():
+            got = call(True)
+    else:
+        got = call(False)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if b is None:  # mask1 without x1
+            assert a is None
+            continue
+        assert a.grad_fn is None and not a.requires_grad
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b.detach()), "the no-graph forward differs from the autograd one"
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors: every bad input of API.md gives a TypeError/ValueError naming the argument, and
 # nothing is written.
