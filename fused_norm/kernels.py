@@ -9,7 +9,9 @@ Design notes
   the fp32 ``s`` in registers, and ``y = xhat * w + b`` is written. LayerNorm takes sum(s) and
   sum(s^2) in one joint reduction and M2 = sum(s^2) - sum(s) * mean, unless that cancels
   (the mean beyond ~2.6 standard deviations, ``_cancels``): then M2 = sum((s - mean)^2), a
-  second pass over the registers, as accurate as Welford. A row whose width is not a power of two may
+  second pass over the registers, as accurate as Welford. One whole block of 16K 16-bit
+  columns without dropout or x1 always takes the mean and then that second pass
+  (``JOINT_STATS``, config.fwd_joint_stats: the joint sum costs it registers). A row whose width is not a power of two may
   be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N`` columns, instead of one
   padded block (``config.block_tail``); the backward likewise.
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
