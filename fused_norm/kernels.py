@@ -152,7 +152,7 @@ def _cancels(squares, m2):
 
 
 @triton.jit
-def _normalize_store(
+def _affine_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row,
     HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
@@ -164,6 +164,20 @@ def _normalize_store(
     if HAS_BIAS:
         y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
+
+
+@triton.jit
+def _normalize_store(
+    xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
+    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1)."""
+    _affine_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
+                  HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        _affine_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
+                      HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -243,18 +257,14 @@ def _fwd_row(
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
-    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
-                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if HAS_W1:
-        _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                     ZERO_CENTERED_WEIGHT)  # fmt: skip
     if TAIL_N > 0:
         that = t * rstd
-        _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row,
-                         HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-        if HAS_W1:
-            _normalize_store(that, tcols, tmask, row, W1, B1, Y1, stride_y1_row,
-                             HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+        _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                         ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -292,11 +302,9 @@ def _fwd_rows(
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
-    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
-                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if HAS_W1:
-        _normalize_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                     ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -466,11 +474,9 @@ def _fwd_split_row(
         tl.store(MEAN + row, mean, mask=part == 0)
         xhat = (s - mean) * rstd
     tl.store(RSTD + row, rstd, mask=part == 0)
-    _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row,
-                     HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if HAS_W1:
-        _normalize_store(xhat, ccols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                         HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+    _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                     ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -596,11 +602,9 @@ def _fused_norm_fwd_kernel(
                 xhat = s * rstd
             else:
                 xhat = (s - mean) * rstd
-            _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row,
-                             HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-            if HAS_W1:
-                _normalize_store(xhat, ccols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                                 HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+            _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                             stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                             ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
