@@ -27,12 +27,13 @@ Design notes
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
 * Backward, a persistent grid of row blocks: program ``(p, c)`` owns the contiguous rows
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the column block ``c``, keeps fp32
-  partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of a
-  ``(num_row_blocks, N)`` buffer that the host sums. No atomics, no locks: the result is bitwise
-  deterministic. A row that fits one block (``NUM_CHUNKS == 1``) takes its sums c1, c2 in
-  registers; wider rows get them first from ``_bwd_row_sums_kernel`` (one more read of s and dy),
-  so that the column blocks of a row can run on different programs: per-program partials then
-  span BLOCK_N columns, not N, and there are few row blocks however wide the row.
+  partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of its
+  ``(num_row_blocks, N)`` slab of one fp32 buffer, which the host sums in one reduction. No
+  atomics, no locks: the result is bitwise deterministic. A row that fits one block
+  (``NUM_CHUNKS == 1``) takes its sums c1, c2 in registers; wider rows get them first from
+  ``_bwd_row_sums_kernel`` (one more read of s and dy), so that the column blocks of a row can
+  run on different programs: per-program partials then span BLOCK_N columns, not N, and there
+  are few row blocks however wide the row.
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -711,19 +712,23 @@ def _block_input_grads(
 
 
 @triton.jit
-def _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, cols, col_mask, dw,
-                    db, dw1, db1, dls, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
-                    HAS_B1: tl.constexpr, HAS_LAYERSCALE: tl.constexpr):  # fmt: skip
-    """A program's partial parameter gradients of one column block, into row ``part / N``."""
-    tl.store(DW_PART + part + cols, dw, mask=col_mask)
+def _store_partials(PARTS, part, stride_part, cols, col_mask, dw, db, dw1, db1, dls,
+                    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+                    HAS_LAYERSCALE: tl.constexpr):  # fmt: skip
+    """A program's partial parameter gradients of one column block, into row ``part / N`` of
+    their slabs of PARTS, one slab (``stride_part`` elements apart) per gradient present, in
+    the order dw, db, dw1, db1, dls."""
+    slab = tl.cast(stride_part, tl.int64)  # int64 offsets (Triton may pass a 1 as a constant)
+    tl.store(PARTS + part + cols, dw, mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_PART + part + cols, db, mask=col_mask)
+        tl.store(PARTS + slab + part + cols, db, mask=col_mask)
     if HAS_W1:
-        tl.store(DW1_PART + part + cols, dw1, mask=col_mask)
+        tl.store(PARTS + (1 + HAS_BIAS) * slab + part + cols, dw1, mask=col_mask)
         if HAS_B1:
-            tl.store(DB1_PART + part + cols, db1, mask=col_mask)
+            tl.store(PARTS + (2 + HAS_BIAS) * slab + part + cols, db1, mask=col_mask)
     if HAS_LAYERSCALE:
-        tl.store(DLS_PART + part + cols, dls, mask=col_mask)
+        tl.store(PARTS + (1 + HAS_BIAS + HAS_W1 + HAS_B1) * slab + part + cols, dls,
+                 mask=col_mask)  # fmt: skip
 
 
 @triton.jit
@@ -818,14 +823,11 @@ def _fused_norm_bwd_kernel(
     DX,            # (M, N) grad of x
     DX1,           # (M, N) grad of x1 (if HAS_X1)
     DRESIDUAL,     # (M, N) grad of residual (if STORE_DRESIDUAL)
-    DW_PART,       # (P, N) fp32 partial dW, one row per row block
-    DB_PART,       # (P, N) fp32 partial dB (if HAS_BIAS)
-    DW1_PART,      # (P, N) fp32 partial dW1 (if HAS_W1)
-    DB1_PART,      # (P, N) fp32 partial dB1 (if HAS_B1)
-    DLS_PART,      # (P, N) fp32 partial d(layerscale) (if HAS_LAYERSCALE)
+    PARTS,         # fp32 partial dW, then dB, dW1, dB1, d(layerscale) where present: one
+                   # (P, N) slab each, stride_part elements apart; one row per row block
     C12,           # (M, 2) fp32 c1, c2 of each row from _bwd_row_sums_kernel (if NUM_CHUNKS > 1)
     stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
-    stride_dx_row, stride_dx1_row, stride_dres_row,
+    stride_dx_row, stride_dx1_row, stride_dres_row, stride_part,
     M, N,
     dropout_p,
     rows_per_program,  # contiguous rows owned by each row block
@@ -929,8 +931,8 @@ def _fused_norm_bwd_kernel(
                 if HAS_LAYERSCALE:
                     tdls += tdls_row
     part = pid.to(tl.int64) * N
-    _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, cols, col_mask,
-                    dw, db, dw1, db1, dls, HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip
+    _store_partials(PARTS, part, stride_part, cols, col_mask, dw, db, dw1, db1, dls, HAS_BIAS,
+                    HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip
     if TAIL_N > 0:
-        _store_partials(DW_PART, DB_PART, DW1_PART, DB1_PART, DLS_PART, part, tcols, tmask,
-                        tdw, tdb, tdw1, tdb1, tdls, HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip
+        _store_partials(PARTS, part, stride_part, tcols, tmask, tdw, tdb, tdw1, tdb1, tdls,
+                        HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip

@@ -56,7 +56,15 @@ FAST_LAUNCH = (
 
 def arg_key(args) -> tuple:
     """What Triton specialises a compiled kernel on, per runtime argument (finer where cheap)."""
-    key = []
+    return key_and_pointers(args)[0]
+
+
+def key_and_pointers(args) -> tuple:
+    """(arg_key, the arguments with each tensor replaced by its address): Triton's launcher
+    takes an int as a pointer as it is, where for a tensor it calls ``data_ptr()`` and asks
+    the driver whether the address is a device pointer (check_args has put every tensor on
+    the launch's device)."""
+    key, launch_args = [], []
     for a in args:
         if a is None:
             key.append(None)
@@ -68,8 +76,11 @@ def arg_key(args) -> tuple:
         elif type(a) is bool:
             key.append(("b", a))
         else:  # a tensor: its dtype and whether the pointer is 16-byte aligned
-            key.append((a.dtype, a.data_ptr() & 15))
-    return tuple(key)
+            ptr = a.data_ptr()
+            key.append((a.dtype, ptr & 15))
+            a = ptr
+        launch_args.append(a)
+    return tuple(key), launch_args
 
 
 class Stand:
@@ -124,7 +135,13 @@ def _hooked() -> bool:
 def _key(device, num_warps, num_stages, constexpr_values, args, maxnreg) -> tuple:
     """The cache key of one compiled kernel: a launch and a warm-up that will use the same
     binary must build the same key (the tests read its entries by position)."""
-    return (device.index, num_warps, num_stages, constexpr_values, arg_key(args), maxnreg)
+    return _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, maxnreg)[0]
+
+
+def _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, maxnreg):
+    """(_key, the launch arguments with tensors as addresses: key_and_pointers)."""
+    akey, launch_args = key_and_pointers(args)
+    return (device.index, num_warps, num_stages, constexpr_values, akey, maxnreg), launch_args
 
 
 def _constexpr_names(kernel, params) -> list:
@@ -167,7 +184,7 @@ class Launcher:
                 grid, device, args, constexprs, _options(num_warps, num_stages, maxnreg)
             )
         values = tuple(constexprs.values())
-        key = _key(device, num_warps, num_stages, values, args, maxnreg)
+        key, pointers = _key_and_pointers(device, num_warps, num_stages, values, args, maxnreg)
         hit = self.cache.get(key)
         if hit is None:
             if on_miss is not None:
@@ -185,15 +202,15 @@ class Launcher:
             self.cache[key] = hit
             return
         run, function, metadata = hit
-        g = tuple(grid) + (1, 1)
+        g = (*grid, 1, 1)[:3]
         current = driver.active.get_current_device()
         if device.index == current:
             stream = driver.active.get_current_stream(current)
-            run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *values)
+            run(*g, stream, function, metadata, None, None, None, *pointers, *values)
         else:
             with torch.cuda.device(device):
                 stream = driver.active.get_current_stream(device.index)
-                run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *values)
+                run(*g, stream, function, metadata, None, None, None, *pointers, *values)
 
     def warm(self, grid, device, args, constexprs, num_warps, num_stages=None, maxnreg=None):
         """Start compiling, in a background thread, the kernel that a launch with these

@@ -272,33 +272,33 @@ def _bwd_launch(
     s: Tensor, weight: Tensor, weight1: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
     dy: Tensor, dy1: Optional[Tensor], dresidual_out: Optional[Tensor], x0: Optional[Tensor],
     layerscale: Optional[Tensor], rowscale: Optional[Tensor], seeds: Optional[Tensor],
-    dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], dw_part: Tensor,
-    db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor],
-    dls_part: Optional[Tensor], c12: Optional[Tensor], dropout_p: float, is_rms_norm: bool,
+    dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], parts: Tensor,
+    c12: Optional[Tensor], has_bias: bool, has_b1: bool, dropout_p: float, is_rms_norm: bool,
     zero_centered_weight: bool, block_n: int, num_chunks: int, tail: int, warps: int,
 ) -> None:  # fmt: skip
     """The backward launches (the body of the ``fused_norm::bwd`` custom op)."""
     _bwd_run(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
-        is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps,
+        dx, dx1, dresidual, parts, c12, has_bias, has_b1, dropout_p, is_rms_norm,
+        zero_centered_weight, block_n, num_chunks, tail, warps,
     )  # fmt: skip
 
 
 def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-    dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12, dropout_p,
-    is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, warm=False,
+    dx, dx1, dresidual, parts, c12, has_bias, has_b1, dropout_p, is_rms_norm,
+    zero_centered_weight, block_n, num_chunks, tail, warps, warm=False,
 ):  # fmt: skip
     """Launch the backward, or with ``warm`` only start compiling its kernels (outputs may then
-    be :class:`~fused_norm.launch.Stand`-ins). ``block_n`` is the padded block, held as two
-    (``block_n // 2`` then ``tail`` columns) where ``tail`` > 0; fused_norm_bwd chose them."""
+    be :class:`~fused_norm.launch.Stand`-ins). ``parts`` is the ``(partials, programs, N)`` fp32
+    buffer of the partial parameter gradients (dw, then db, dw1, db1, dls where present).
+    ``block_n`` is the padded block, held as two (``block_n // 2`` then ``tail`` columns) where
+    ``tail`` > 0; fused_norm_bwd chose them."""
     m, n = s.shape
     if m == 0:
         return
-    programs = dw_part.shape[0]
+    partials, programs = parts.shape[0], parts.shape[1]
     row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
-    partials = sum(p is not None for p in (dw_part, db_part, dw1_part, db1_part, dls_part))
     dev = s.device
     if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
         sums_block, sums_chunks = config.block_config(
@@ -323,9 +323,9 @@ def _bwd_run(
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     args = (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-        seeds, dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
+        seeds, dx, dx1, dresidual, parts, c12,
         s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
-        dx.stride(0), _stride0(dx1), _stride0(dresidual),
+        dx.stride(0), _stride0(dx1), _stride0(dresidual), programs * n,
         m, n, dropout_p, config.cdiv(m, programs),
     )  # fmt: skip
     flags = dict(
@@ -333,9 +333,9 @@ def _bwd_run(
         TAIL_N=tail,
         NUM_CHUNKS=num_chunks,
         IS_RMS_NORM=is_rms_norm,
-        HAS_BIAS=db_part is not None,
+        HAS_BIAS=has_bias,
         HAS_W1=weight1 is not None,
-        HAS_B1=db1_part is not None,
+        HAS_B1=has_b1,
         HAS_X1=dx1 is not None,
         HAS_DRESIDUAL_OUT=dresidual_out is not None,
         STORE_DRESIDUAL=dresidual is not None,
@@ -368,9 +368,8 @@ _STAGES_THAT_FIT: dict = {}
 _bwd_op = torch.library.custom_op(
     "fused_norm::bwd",
     _bwd_launch,
-    mutates_args=("dx", "dx1", "dresidual", "dw_part", "db_part", "dw1_part", "db1_part",
-                  "dls_part", "c12"),
-)  # fmt: skip
+    mutates_args=("dx", "dx1", "dresidual", "parts", "c12"),
+)
 _bwd_op.register_fake(lambda *args, **kwargs: None)
 
 
@@ -409,30 +408,24 @@ def fused_norm_bwd(
     dx1 = None
     if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
         dx1 = empty((m, n), x1_dtype)
-    partials = 1 + sum(t is not None for t in (bias, weight1, bias1, layerscale))
+    # The parameters whose gradients the kernel accumulates, in the order of their slabs.
+    params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
+    partials = len(params)
     elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
     dropout = dropout_p > 0.0
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
     block_n, num_chunks, tail, warps = config.bwd_layout(n, elem_bytes, partials, dropout, plain)
     programs = config.bwd_num_programs(m, dev, warps, num_chunks)
-
-    def part(present):
-        if not present:
-            return None
-        if m == 0:  # nothing launches: the partials must already hold the (zero) sums
-            return torch.zeros((programs, n), dtype=torch.float32, device=dev)
-        return empty((programs, n), torch.float32)  # every program writes its block once
-
+    if m == 0:  # nothing launches: the partials must already hold the (zero) sums
+        parts = torch.zeros((partials, programs, n), dtype=torch.float32, device=dev)
+    else:  # every program writes its block of each slab once
+        parts = empty((partials, programs, n), torch.float32)
     c12 = empty((m, 2), torch.float32) if num_chunks > 1 else None
-    dw_part, db_part = part(True), part(bias is not None)
-    dw1_part, db1_part = part(weight1 is not None), part(bias1 is not None)
-    dls_part = part(layerscale is not None)
     args = (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-        dx, dx1, dresidual, dw_part, db_part, dw1_part, db1_part, dls_part, c12,
-        float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks,
-        tail, warps,
+        dx, dx1, dresidual, parts, c12, bias is not None, bias1 is not None, float(dropout_p),
+        bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks, tail, warps,
     )  # fmt: skip
     if warm:
         _bwd_run(*args, warm=True)
@@ -442,14 +435,21 @@ def fused_norm_bwd(
     else:
         _bwd_run(*args)
 
-    def total(p, ref):
-        return p.sum(0).to(ref.dtype) if p is not None else None
-
+    # One reduction over the programs for all the partials (each its own reduction, and a cast
+    # each, cost 10-45 us more per backward on an H200: bench/NOTES.md #34); then each gradient
+    # in its parameter's dtype, in storage of its own (not views of one tensor).
+    if partials == 1:
+        grads = [parts[0].sum(0).to(weight.dtype)]
+    else:
+        grads = [g.to(p.dtype, copy=True) for g, p in zip(parts.sum(1).unbind(0), params)]
+    grads.reverse()
+    dw = grads.pop()
+    db = grads.pop() if bias is not None else None
+    dw1 = grads.pop() if weight1 is not None else None
+    db1 = grads.pop() if bias1 is not None else None
+    dls = grads.pop() if layerscale is not None else None
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
     if x1_dtype is not None and dx1 is None:
         dx1 = dx
-    return (
-        dx, total(dw_part, weight), total(db_part, bias), dresidual, dx1,
-        total(dw1_part, weight1), total(db1_part, bias1), total(dls_part, layerscale),
-    )  # fmt: skip
+    return dx, dw, db, dresidual, dx1, dw1, db1, dls

@@ -61,6 +61,17 @@ def test_key_separates_alignment_and_unit_values():
     assert launch.arg_key([16]) != launch.arg_key([2**31 + 16])
 
 
+def test_launch_arguments_pass_tensors_as_their_addresses():
+    """The direct path hands Triton's launcher each tensor's address (an int it takes as the
+    pointer), every other argument as it is, and the same key as arg_key."""
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    args = [x, x[3:], None, 7, 2.5, True]
+    key, launch_args = launch.key_and_pointers(args)
+    assert key == launch.arg_key(args)
+    assert launch_args == [x.data_ptr(), x.data_ptr() + 6, None, 7, 2.5, True]
+    assert all(type(a) is int for a in launch_args[:2])
+
+
 def _step(x, w, b, res, dy):
     y, r = fused_norm.layer_norm_fn(x, w, b, residual=res, prenorm=True, dropout_p=0.1)
     return (y, r) + torch.autograd.grad((y, r), (x, w, b, res), (dy, dy))
