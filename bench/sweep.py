@@ -9,7 +9,7 @@ kernels; bench/bench.py measures what users see.
 Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
        [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--bwd-rows 1,4] [--fwd-rows 1,8]
-       [--workloads ln,...]
+       [--dtype bf16|fp16|fp32] [--workloads ln,...]
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
        splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
@@ -206,6 +206,8 @@ def main():
     ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
     ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
     ap.add_argument("--fwd-maxnreg", default="auto", help="register caps of the forward")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                    help="dtype of every row tensor (weights are fp32)")  # fmt: skip
     ap.add_argument(
         "--tail",
         default="auto",
@@ -217,6 +219,8 @@ def main():
     if args.rng:
         use_rng_variant(args.rng, args.out)
     device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    eb = dtype.itemsize
     props = torch.cuda.get_device_properties(device)
     ceiling = copy_gbps(device)
     env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -287,18 +291,20 @@ def main():
             drop = workload == "drop_add_ln"
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
-                bn, split = config.fwd_split(n, 2, device, drop or workload == "parallel")
+                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
                 nc, tl_, fr_ = 1, 0, 1
                 if split == 1:
-                    bn, nc, tl_, fr_ = config.fwd_block_layout(n, 2, plain)
+                    bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
                 warps = (config.fwd_split_warps(plain, split) if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
-                maxnreg = config.fwd_maxnreg(bn, nc, split, drop, workload == "parallel", 2, device)
+                maxnreg = config.fwd_maxnreg(
+                    bn, nc, split, drop, workload == "parallel", eb, device
+                )
                 desc = f"warps={warps} rows={fr_} split={bn}x{split} maxnreg={maxnreg} tail={tl_}"
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc, tl_, bw_ = config.bwd_layout(
-                    n, 2, partials, drop, workload in ("ln", "rms")
+                    n, eb, partials, drop, workload in ("ln", "rms")
                 )
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
@@ -306,7 +312,7 @@ def main():
                         f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
                         f"tail={tl_}")  # fmt: skip
             try:
-                ms, gbps = run(workload, n, torch.bfloat16, device, mode)
+                ms, gbps = run(workload, n, dtype, device, mode)
                 err = ""
             except Exception as e:  # noqa: BLE001 - record and go on
                 ms, gbps, err = float("nan"), float("nan"), repr(e)[:200]

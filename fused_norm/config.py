@@ -21,7 +21,8 @@ MAX_BLOCK_BYTES = 65536
 # The backward holds more per column (w, s, dy and one fp32 partial per parameter gradient), so
 # its registers run out sooner. Sweeps of 2026-11-22 (H200, bf16): with one partial (RMSNorm, no
 # bias) 16K columns in one block ran at 92% of copy, 32K at 24% (spills); with two (LayerNorm
-# with bias) 16K in one block ran at 40%, as two 8K chunks at 50%.
+# with bias) 16K in one block ran at 40%, as two 8K chunks at 50%. The caps count 16-bit
+# columns whatever the dtype (bwd_block_config): registers hold every value as fp32.
 BWD_MAX_BLOCK_BYTES = 32768
 BWD_MAX_BLOCK_BYTES_MULTI = 16384  # two or more partial-gradient vectors
 
@@ -230,9 +231,13 @@ def fwd_split(
     one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #30)
     measured 8 parts of 4K columns against the one block: dropout + add + LayerNorm 73 -> 85% of
     copy, the x1 path 77 -> 84%; LayerNorm 63 -> 66%, RMSNorm 84 -> 83% and add + RMSNorm 98 ->
-    96% keep the block."""
+    96% keep the block. A 64 KB row of wider elements (16K fp32 columns) keeps its one block
+    even when heavy: the x1 path 93 -> 98%, dropout + add + LayerNorm 88% either way (fp32
+    sweep of 2026-11-23, bench/NOTES.md #36)."""
     row_bytes = n_cols * elem_bytes
-    if row_bytes < FWD_SPLIT_MIN_BYTES or (row_bytes == FWD_SPLIT_MIN_BYTES and not heavy):
+    if row_bytes < FWD_SPLIT_MIN_BYTES or (
+        row_bytes == FWD_SPLIT_MIN_BYTES and not (heavy and elem_bytes <= 2)
+    ):
         return 0, 1
     if not split_rows_ok(device):
         return 0, 1
@@ -393,6 +398,13 @@ def bwd_block_config(
 ) -> tuple[int, int]:
     """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors.
 
+    The block caps (BWD_MAX_BLOCK_BYTES*) count columns of 16 bits whatever ``elem_bytes``:
+    the registers a column takes (fp32 values and partials) do not depend on the dtype read.
+    Graph-replay sweep of 2026-11-23 (H200, fp32 rows, bench/NOTES.md #36), one block instead
+    of 4K-column blocks after the row-sums pre-pass: RMSNorm at 16K columns 60 -> 85% of copy,
+    add + RMSNorm 68 -> 98%; LayerNorm at 8K 59 -> 93%, dropout + add + LayerNorm 69 -> 90%,
+    the x1 path 63 -> 85%.
+
     16-bit rows with two partials and no dropout (LayerNorm) up to one and a half times the
     block cap (8K-12K columns) stay one block, held as two (bwd_block_tail: 12288 = 8192 +
     4096), instead of column blocks after the row-sums pre-pass, which reads s and dy twice:
@@ -400,7 +412,7 @@ def bwd_block_config(
     #30); with dropout even (58.5 -> 60.0%), and one padded 16K block lost at 16384 (53.8 ->
     48.4%)."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
-    block_n, num_chunks = block_config(n_cols, elem_bytes, cap)
+    block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
     if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2
             and 2 * n_cols <= 3 * block_n
             and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip

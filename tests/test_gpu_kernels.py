@@ -81,8 +81,9 @@ def _case(flags: str, n: int, dtype: torch.dtype, rows=None, seed=0) -> Case:
 def test_gpu_matches_reference(flags, n, dtype):
     """Outputs and every gradient vs the fp64 reference (three-way rule) at real widths.
     Rows wider than config.MAX_BLOCK_BYTES (64 KB: 16K fp32 / 32K 16-bit columns) take the
-    forward's chunked path, wider than BWD_MAX_BLOCK_BYTES (32 KB; 16 KB with two or more
-    parameter gradients) the backward's column blocks with its row-sums pre-pass."""
+    forward's chunked path, wider than BWD_MAX_BLOCK_BYTES of 16-bit columns (16K; 8K with two
+    or more parameter gradients, whatever the dtype) the backward's column blocks with its
+    row-sums pre-pass."""
     check_case(_case(flags, n, dtype), "fn", device="cuda")
 
 
