@@ -436,18 +436,15 @@ def fused_norm_bwd(
         _bwd_run(*args)
 
     # One reduction over the programs for all the partials (each its own reduction, and a cast
-    # each, cost 10-45 us more per backward on an H200: bench/NOTES.md #34); then each gradient
+    # each, cost 7-45 us more per backward on an H200: bench/NOTES.md #34); then each gradient
     # in its parameter's dtype, in storage of its own (not views of one tensor).
     if partials == 1:
         grads = [parts[0].sum(0).to(weight.dtype)]
     else:
         grads = [g.to(p.dtype, copy=True) for g, p in zip(parts.sum(1).unbind(0), params)]
-    grads.reverse()
-    dw = grads.pop()
-    db = grads.pop() if bias is not None else None
-    dw1 = grads.pop() if weight1 is not None else None
-    db1 = grads.pop() if bias1 is not None else None
-    dls = grads.pop() if layerscale is not None else None
+    dw, db, dw1, db1, dls = (
+        grads.pop(0) if p is not None else None for p in (weight, bias, weight1, bias1, layerscale)
+    )
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
     if x1_dtype is not None and dx1 is None:
