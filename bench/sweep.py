@@ -13,6 +13,8 @@ Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-wa
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
        splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
+       [--fwd-hold auto,all,off]  (forward rows held as bf16 where measured, wherever they
+       equal a bf16 tensor, or never: FWD_HOLD)
 """
 
 from __future__ import annotations
@@ -62,12 +64,15 @@ def bytes_per_elem(workload, mode, eb):
     return {"fwd": fwd, "bwd": bwd}[mode]
 
 
+WEIGHT_DTYPE = [torch.float32]  # --weight-dtype
+
+
 def run(workload, n, dtype, device, mode):
     m = ELEMS // n
     x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
     res = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
-    b = torch.randn(n, device=device, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(n, device=device, dtype=WEIGHT_DTYPE[0], requires_grad=True)
+    b = torch.randn(n, device=device, dtype=WEIGHT_DTYPE[0], requires_grad=True)
     if workload == "add_rms":
 
         def f():
@@ -197,6 +202,15 @@ def main():
     ap.add_argument("--fwd-warps", default="auto")
     ap.add_argument("--fwd-rows", default="auto", help="rows per forward program (one block)")
     ap.add_argument("--fwd-split", default="auto", help="auto, off, or bytes per split part")
+    ap.add_argument(
+        "--fwd-block-bytes", default="auto", help="forward block cap (config.MAX_BLOCK_BYTES)"
+    )
+    ap.add_argument(
+        "--fwd-evict",
+        default="auto",
+        help="auto, none (comma-separated): config.FWD_CHUNK_EVICT as set, or no hints",
+    )
+    ap.add_argument("--weight-dtype", default="fp32", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
     ap.add_argument("--bwd-max-bytes", default="auto")
@@ -213,12 +227,20 @@ def main():
         default="auto",
         help="auto, on, off (comma-separated): config.TAIL_BLOCKS measured/True/False",
     )
+    ap.add_argument(
+        "--fwd-hold",
+        default="auto",
+        help="auto, all, off (comma-separated): config.FWD_HOLD measured/True/False",
+    )
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.rng:
         use_rng_variant(args.rng, args.out)
     device = torch.device("cuda")
+    WEIGHT_DTYPE[0] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.weight_dtype
+    ]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     eb = dtype.itemsize
     props = torch.cuda.get_device_properties(device)
@@ -236,18 +258,28 @@ def main():
             config.BWD_TILE_BYTES, config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
             config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
             config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps, config.fwd_maxnreg,
-            config.bwd_maxnreg, config.bwd_tile_rows)  # fmt: skip
+            config.bwd_maxnreg, config.bwd_tile_rows, config.MAX_BLOCK_BYTES)  # fmt: skip
     splits = [{"auto": None, "off": -1}[t] if t in ("auto", "off") else int(t)
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
-    for n, workload, mode, tail in itertools.product(
-        ints(args.ns), args.workloads.split(","), args.modes.split(","), args.tail.split(",")
+    evict = config.FWD_CHUNK_EVICT
+    for n, workload, mode, tail, hold, ev in itertools.product(
+        ints(args.ns),
+        args.workloads.split(","),
+        args.modes.split(","),
+        args.tail.split(","),
+        args.fwd_hold.split(","),
+        args.fwd_evict.split(","),
     ):
         if mode == "fwd":
             variants = [
-                (fw, None, None, None, fr, sp, mr, None)
-                for fw, fr, sp, mr in itertools.product(
-                    ints(args.fwd_warps), ints(args.fwd_rows), splits, ints(args.fwd_maxnreg)
+                (fw, None, None, fb, fr, sp, mr, None)
+                for fw, fr, sp, mr, fb in itertools.product(
+                    ints(args.fwd_warps),
+                    ints(args.fwd_rows),
+                    splits,
+                    ints(args.fwd_maxnreg),
+                    ints(args.fwd_block_bytes),
                 )
             ]
         else:
@@ -260,6 +292,8 @@ def main():
                                               ints(args.bwd_rows)))  # fmt: skip
         for fw, bw, wps, maxb, gb, st, mr, br in variants:
             config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
+            config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
+            config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -275,7 +309,9 @@ def main():
                 )
             if wps:
                 config.BWD_WARPS_PER_SM = wps
-            if maxb:
+            if maxb and mode == "fwd":
+                config.MAX_BLOCK_BYTES = maxb
+            elif maxb:
                 config.BWD_MAX_BLOCK_BYTES = config.BWD_MAX_BLOCK_BYTES_MULTI = maxb
             if mode == "fwd":
                 if gb:  # an explicit row count applies to every row width in one block
@@ -291,16 +327,21 @@ def main():
             drop = workload == "drop_add_ln"
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
-                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
+                kind = config.fwd_hold_kind(
+                    dtype, None if plain else dtype, plain != ""
+                )  # fmt: skip
+                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel", kind)
                 nc, tl_, fr_ = 1, 0, 1
                 if split == 1:
                     bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
-                warps = (config.fwd_split_warps(plain, split) if split > 1
+                held = (split > 1 or (fr_ == 1 and nc == 1)) and config.fwd_hold(kind, split)  # fmt: skip
+                warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
-                desc = f"warps={warps} rows={fr_} split={bn}x{split} maxnreg={maxnreg} tail={tl_}"
+                desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
+                        f"tail={tl_} hold={held} evict={ev}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc, tl_, bw_ = config.bwd_layout(
@@ -323,8 +364,11 @@ def main():
                  config.FWD_ROWS_PER_PROGRAM, config.FWD_ROWS_MAX_N,
                  config.FWD_ROWS_MAX_N_PLAIN, config.FWD_SPLIT_MIN_BYTES,
                  config.FWD_SPLIT_BLOCK_BYTES, config.fwd_split_warps,
-                 config.fwd_maxnreg, config.bwd_maxnreg, config.bwd_tile_rows) = orig  # fmt: skip
+                 config.fwd_maxnreg, config.bwd_maxnreg, config.bwd_tile_rows,
+                 config.MAX_BLOCK_BYTES) = orig  # fmt: skip
                 config.TAIL_BLOCKS = "measured"
+                config.FWD_HOLD = "measured"
+                config.FWD_CHUNK_EVICT = evict
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

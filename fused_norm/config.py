@@ -121,6 +121,12 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int
     return block_n, num_chunks, tail, rows
 
 
+# L2 eviction policies of a chunked forward row's two sweeps (Triton's eviction_policy): the
+# first sweep's loads kept for the second ("evict_last"), the second's let go ("evict_first"),
+# as torch.compile's looped reductions do.
+FWD_CHUNK_EVICT = ("evict_last", "evict_first")
+
+
 def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0) -> int:
     """Warps per forward program (one row each). ``plain`` is "ln" or "rms" for a norm of x
     alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer.
@@ -187,6 +193,41 @@ def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bo
     return None
 
 
+# A forward row whose fp32 sum s equals a 16-bit tensor (bf16 or fp16: x itself, for a norm of
+# x alone; or the residual stream, as stored) may be held in registers as that tensor instead
+# of s, from the statistics to the normalisation (kernels._widen): half the registers.
+# Graph-replay sweeps of 2026-11-24 (H200, bench/NOTES.md #37), held against fp32: norms of x
+# alone in split parts, bf16 RMSNorm 64K / 128K / 256K columns 81 -> 89% / 77 -> 85% / 74 ->
+# 83% of copy (98 -> 55 registers, 9 -> 18 parts per SM), LayerNorm 67 -> 73% / 63 -> 69% /
+# 62 -> 68% (on 2 warps: fwd_split_warps); fp16 RMSNorm 64K / 256K 85 -> 89% / 80 -> 86%,
+# LayerNorm 75 -> 78% / 68 -> 68% (on 4 warps). In one block it did not pay: LayerNorm 16K
+# 91 -> 87% with bf16 weights (84 -> 87% with fp32 ones), 12288 91 -> 84%, RMSNorm 8K-32K -1
+# to -3; holding the stream lost with dropout (-2 to -5 points at 4K-256K, under its register
+# cap) and with x1 at 32K+ (-4), and was even for add + RMSNorm. So FWD_HOLD = "measured"
+# holds x in split parts only; True holds wherever possible (the sweep compares them); False
+# never.
+FWD_HOLD = "measured"
+HOLD_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
+    """What the forward could hold in registers as 16 bits instead of the fp32 sum s: "bf16" or
+    "fp16" (the sum is x itself, of that dtype: ``s_is_x``, no residual, x1, dropout, rowscale
+    or layerscale, and no stream stored), "stream" (``stream_dtype``, the dtype of the stored
+    stream, is bf16 or fp16), or "" (nothing)."""
+    if stream_dtype is not None:
+        return "stream" if stream_dtype in HOLD_DTYPES else ""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_dtype, "") if s_is_x else ""
+
+
+def fwd_hold(kind: str, split: int) -> bool:
+    """Whether the forward holds the row in 16 bits (FWD_HOLD): ``kind`` from fwd_hold_kind,
+    ``split`` the parts of a split row (1: not split)."""
+    if not kind or not FWD_HOLD:
+        return False
+    return FWD_HOLD is True or (kind in ("bf16", "fp16") and split > 1)
+
+
 def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
     """Whether a one-block LayerNorm row takes its mean and M2 from one joint sum of (s, s^2)
     (kernels._sums) rather than the mean and then the squares about it. Everywhere but one
@@ -222,12 +263,15 @@ FWD_SPLIT_SUB_N = 128
 
 
 def fwd_split(
-    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False
+    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False, hold_kind: str = ""
 ) -> tuple[int, int]:
     """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
 
     Rows wider than FWD_SPLIT_MIN_BYTES split; ``heavy`` rows (dropout or the x1 path: more
-    work per column) from FWD_SPLIT_MIN_BYTES on. At exactly 64 KB (32K 16-bit columns, else
+    work per column) from FWD_SPLIT_MIN_BYTES on, and so do norms of x alone in bf16 that
+    fwd_hold holds in split parts (``hold_kind`` "bf16", fwd_hold_kind): RMSNorm at 32K
+    columns 84 -> 91% of copy, LayerNorm 65 -> 72% (sweeps of 2026-11-24, bench/NOTES.md #37;
+    in fp16 the one block stayed ahead: RMSNorm 92 vs 89%, LayerNorm 83 vs 80%). At exactly 64 KB (32K 16-bit columns, else
     one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #30)
     measured 8 parts of 4K columns against the one block: dropout + add + LayerNorm 73 -> 85% of
     copy, the x1 path 77 -> 84%; LayerNorm 63 -> 66%, RMSNorm 84 -> 83% and add + RMSNorm 98 ->
@@ -235,8 +279,9 @@ def fwd_split(
     even when heavy: the x1 path 93 -> 98%, dropout + add + LayerNorm 88% either way (fp32
     sweep of 2026-11-23, bench/NOTES.md #36)."""
     row_bytes = n_cols * elem_bytes
+    held = hold_kind == "bf16" and fwd_hold(hold_kind, 2)
     if row_bytes < FWD_SPLIT_MIN_BYTES or (
-        row_bytes == FWD_SPLIT_MIN_BYTES and not (heavy and elem_bytes <= 2)
+        row_bytes == FWD_SPLIT_MIN_BYTES and not ((heavy and elem_bytes <= 2) or held)
     ):
         return 0, 1
     if not split_rows_ok(device):
@@ -248,13 +293,19 @@ def fwd_split(
     return block_n, split
 
 
-def fwd_split_warps(plain: str, split: int) -> int:
+def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is
-    "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts, whose two
-    reductions before the exchange go faster on more warps (bench/NOTES.md #25: 64K columns in
-    bf16, 2 -> 4 warps, 58 -> 64% of copy on an H200 and 73 -> 77% on an H100; at 128K-256K
-    within 2 points, and RMSNorm loses 1-5 points with 4)."""
-    if plain == "rms" or (plain == "ln" and split > 16):
+    "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts held in
+    fp32, whose two reductions before the exchange went faster on more warps (bench/NOTES.md
+    #25: 64K columns in bf16, 2 -> 4 warps, 58 -> 64% of copy on an H200 and 73 -> 77% on an
+    H100; at 128K-256K within 2 points, and RMSNorm loses 1-5 points with 4). ``held``, the
+    dtype a part is held in (fwd_hold: "bf16" or "fp16", "" for fp32): bf16 halves its
+    registers, and LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 ->
+    68%, 256K 61 -> 66%); fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
+    on 4 warps, 66% on 2; bench/NOTES.md #37), so it keeps 4."""
+    if plain == "rms" or (plain == "ln" and held == "bf16"):
+        return max(FWD_SPLIT_WARPS // 2, 1)
+    if plain == "ln" and split > 16 and held != "fp16":
         return max(FWD_SPLIT_WARPS // 2, 1)
     return FWD_SPLIT_WARPS
 

@@ -17,11 +17,14 @@ Design notes
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
   the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
   Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
-  it is not stored) and normalises.
+  it is not stored) and normalises. The first sweep's loads ask L2 to keep the row, the
+  second's to let it go (config.FWD_CHUNK_EVICT).
 * Rows wider than 64 KB on a CUDA GPU are instead split over several programs of 4K 16-bit
   (2K fp32) columns each (``SPLIT > 1``, ``_fwd_split_row``): each part stays in registers,
   publishes its (mean, M2) through an int64 workspace and waits for its partners' before
-  normalising, so the row is read once.
+  normalising, so the row is read once. Where ``s`` equals a 16-bit tensor (``HOLD``,
+  config.fwd_hold: x itself for a norm of x alone) the part holds that tensor, not ``s``, across
+  the wait and widens it again exactly afterwards (``_widen``): half the registers.
 * Dropout masks are never stored for the backward: each row has an int64 seed, and
   Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
@@ -60,6 +63,8 @@ CANCEL_RATIO = tl.constexpr(8.0)
 # Triton's interpreter runs a tl.reduce with a combine function element by element in Python:
 # slow, and a sequential sum, less accurate than the tree a GPU (or its numpy tl.sum) adds in.
 JOINT_SUMS = tl.constexpr(not INTERPRETED)
+# Triton's default L2 eviction policy of a load (a constexpr: a plain "" default is not one).
+NO_EVICT = tl.constexpr("")
 
 
 @triton.jit
@@ -96,11 +101,13 @@ def _combine_inputs(
     row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
     BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_MASK: tl.constexpr, ROWS: tl.constexpr = 0,
+    STORE_MASK: tl.constexpr, ROWS: tl.constexpr = 0, EVICT: tl.constexpr = NO_EVICT,
 ):  # fmt: skip
     """The fp32 pre-norm sum ``s`` of one row chunk (zero beyond N); with ROWS > 0 of ROWS rows
-    at once (``row`` (ROWS, 1), ``cols`` (1, BLOCK_N): see _fwd_rows)."""
-    x = tl.load(X + row * stride_x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    at once (``row`` (ROWS, 1), ``cols`` (1, BLOCK_N): see _fwd_rows). ``EVICT``: the L2
+    eviction policy of the row loads (Triton's ``eviction_policy``; "" the default)."""
+    x = tl.load(X + row * stride_x_row + cols, mask=col_mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
     if HAS_ROWSCALE:
         x *= tl.load(ROWSCALE + row).to(tl.float32)
     if HAS_LAYERSCALE:
@@ -111,7 +118,8 @@ def _combine_inputs(
         if STORE_MASK:
             tl.store(MASK + row * N + cols, keep, mask=col_mask)
     if HAS_X1:
-        x1 = tl.load(X1 + row * stride_x1_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x1 = tl.load(X1 + row * stride_x1_row + cols, mask=col_mask, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)  # fmt: skip
         if HAS_DROPOUT:
             keep1 = _keep_mask(SEEDS, M + row, col0, dropout_p, BLOCK_N, ROWS)
             x1 = tl.where(keep1, x1 * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -119,9 +127,8 @@ def _combine_inputs(
                 tl.store(MASK1 + row * N + cols, keep1, mask=col_mask)
         x += x1
     if HAS_RESIDUAL:
-        x += tl.load(RESIDUAL + row * stride_res_row + cols, mask=col_mask, other=0.0).to(
-            tl.float32
-        )
+        x += tl.load(RESIDUAL + row * stride_res_row + cols, mask=col_mask, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)  # fmt: skip
     return x
 
 
@@ -191,7 +198,7 @@ def _fwd_row(
     HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, HOLD: tl.constexpr,
 ):  # fmt: skip
     """The forward of one row held whole in registers (NUM_CHUNKS == 1): columns
     ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
@@ -217,18 +224,40 @@ def _fwd_row(
             HAS_DROPOUT, STORE_MASK,
         )  # fmt: skip
     if STORE_RESIDUAL_OUT:
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
         # Normalise the stream as stored (rounded to its dtype): the backward and the
         # next layer see that tensor; statistics of the unrounded sum would not match.
-        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
+        h = s.to(RESIDUAL_OUT.dtype.element_ty)
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=col_mask)
+        s = h.to(tl.float32)
         if TAIL_N > 0:
-            tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, t, mask=tmask)
-            t = t.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
-    # (t exists only where TAIL_N > 0: each use sits under that constexpr test.)
+            ht = t.to(RESIDUAL_OUT.dtype.element_ty)
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, ht, mask=tmask)
+            t = ht.to(tl.float32)
+    elif HOLD:
+        h = s.to(X.dtype.element_ty)
+        if TAIL_N > 0:
+            ht = t.to(X.dtype.element_ty)
+    # (t exists only where TAIL_N > 0, h and ht only where HOLD: each use sits under those
+    # constexpr tests.)
     if IS_RMS_NORM:
         m2 = tl.sum(s * s, axis=0)
         if TAIL_N > 0:
             m2 += tl.sum(t * t, axis=0)
+    elif HOLD:  # one joint sum: a second pass would keep an fp32 copy of the row live
+        total, squares = _sums(s, 0)
+        if TAIL_N > 0:
+            t_total, t_squares = _sums(t, 0)
+            total += t_total
+            squares += t_squares
+        mean = total / N
+        m2 = squares - total * mean
+        if _cancels(squares, m2):
+            d = tl.where(col_mask, _widen(h) - mean, 0.0)
+            m2 = tl.sum(d * d, axis=0)
+            if TAIL_N > 0:
+                dt = tl.where(tmask, _widen(ht) - mean, 0.0)
+                m2 += tl.sum(dt * dt, axis=0)
+        tl.store(MEAN + row, mean)
     else:
         if JOINT_STATS:
             total, squares = _sums(s, 0)
@@ -257,6 +286,14 @@ def _fwd_row(
         tl.store(MEAN + row, mean)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
+    if HOLD:
+        s = _widen(h)
+        if TAIL_N > 0:
+            t = _widen(ht)
+        if not IS_RMS_NORM:
+            s -= mean
+            if TAIL_N > 0:
+                t -= mean
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
@@ -331,6 +368,25 @@ def _pack_stats(mean, m2):
 
 
 @triton.jit
+def _widen(h):
+    """h (bf16 or fp16) as fp32 through its bits, exactly: a route the compiler does not merge
+    with the ``h.to(tl.float32)`` the statistics were taken from, so that h (half the
+    registers), not its fp32 copy, is what stays live until the row is normalised.
+
+    bf16 is the high half of an fp32. An fp16's magnitude bits shifted to fp32's mantissa
+    position read as an fp32 2**-112 times the value, subnormals included, so one multiply by
+    2**112 rebiases the exponent; infinities and NaNs (exponent all ones) get fp32's all-ones
+    exponent instead, and the sign is put back last."""
+    bits = h.to(tl.uint16, bitcast=True).to(tl.uint32)
+    if h.dtype == tl.bfloat16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    mag = (bits & 0x7FFF) << 13
+    scaled = (mag.to(tl.float32, bitcast=True) * 5.192296858534828e33).to(tl.uint32, bitcast=True)
+    wide = tl.where(mag >= 0x0F800000, mag | 0x70000000, scaled)
+    return (wide | ((bits & 0x8000) << 16)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _publish_missing_parts(
     X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, RESIDUAL_OUT, WS, words, parts, row, M, N,
     stride_x_row, stride_res_row, stride_x1_row, dropout_p,
@@ -385,7 +441,7 @@ def _fwd_split_row(
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-    SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr,
+    SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr, HOLD: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
 
@@ -420,8 +476,11 @@ def _fwd_split_row(
         HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
     if STORE_RESIDUAL_OUT:
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
-        s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see _fwd_row)
+        h = s.to(RESIDUAL_OUT.dtype.element_ty)
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, h, mask=col_mask)
+        s = h.to(tl.float32)  # as stored (see _fwd_row)
+    elif HOLD:
+        h = s.to(X.dtype.element_ty)
     if IS_RMS_NORM:
         word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
     else:
@@ -429,7 +488,10 @@ def _fwd_split_row(
         mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
         m2 = squares - total * mean_p
         if _cancels(squares, m2):
-            d = tl.where(col_mask, s - mean_p, 0.0)
+            if HOLD:
+                d = tl.where(col_mask, _widen(h) - mean_p, 0.0)
+            else:
+                d = tl.where(col_mask, s - mean_p, 0.0)
             m2 = tl.sum(d * d, axis=0)
         word = _pack_stats(mean_p, m2)
     tl.atomic_cas(WS + row * SPLIT + part, tl.zeros((), dtype=tl.int64), word, sem="relaxed")
@@ -462,6 +524,8 @@ def _fwd_split_row(
     bits = words.to(tl.uint64, bitcast=True)
     m2s = tl.where(pmask, ((bits >> 32).to(tl.uint32) & 0x7FFFFFFF).to(tl.float32, bitcast=True),
                    0.0)  # fmt: skip
+    if HOLD:
+        s = _widen(h)
     if IS_RMS_NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(m2s, axis=0) / N + eps)
         xhat = s * rstd
@@ -527,6 +591,9 @@ def _fused_norm_fwd_kernel(
     SPLIT_P2: tl.constexpr,  # next power of two >= SPLIT
     SUB_N: tl.constexpr,     # columns per step where a split program computes another's part
     BOUNDED_WAIT: tl.constexpr,  # split parts stop waiting after max_polls (interpreter)
+    HOLD: tl.constexpr,      # s equals a 16-bit tensor, held instead of s (config.fwd_hold)
+    EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
+    EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
@@ -537,7 +604,7 @@ def _fused_norm_fwd_kernel(
             stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
-            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT,
+            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used
@@ -547,7 +614,7 @@ def _fused_norm_fwd_kernel(
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
                 TAIL_N, IS_RMS_NORM, JOINT_STATS, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
                 HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
-                ZERO_CENTERED_WEIGHT,
+                ZERO_CENTERED_WEIGHT, HOLD,
             )  # fmt: skip
         else:  # narrow rows, several per program as one tile (one block: TAIL_N == 0)
             _fwd_rows(
@@ -570,7 +637,7 @@ def _fused_norm_fwd_kernel(
                 X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
                 row, c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row,
                 stride_x1_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-                HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK,
+                HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, 0, EVICT_FIRST_SWEEP,
             )  # fmt: skip
             if STORE_RESIDUAL_OUT:
                 tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
@@ -591,13 +658,13 @@ def _fused_norm_fwd_kernel(
             col_mask = ccols < N
             if STORE_RESIDUAL_OUT:
                 s = tl.load(RESIDUAL_OUT + row * stride_res_out_row + ccols, mask=col_mask,
-                            other=0.0).to(tl.float32)  # fmt: skip
+                            other=0.0, eviction_policy=EVICT_SECOND_SWEEP).to(tl.float32)  # fmt: skip
             else:
                 s = _combine_inputs(
                     X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
                     row, c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row,
                     stride_x1_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-                    HAS_LAYERSCALE, HAS_DROPOUT, False,
+                    HAS_LAYERSCALE, HAS_DROPOUT, False, 0, EVICT_SECOND_SWEEP,
                 )  # fmt: skip
             if IS_RMS_NORM:
                 xhat = s * rstd

@@ -153,19 +153,29 @@ def _fwd_run(
     plain = ""
     if x1 is None and residual is None and dropout_p == 0.0:
         plain = "rms" if is_rms_norm else "ln"
-    block_n, split = config.fwd_split(n, elem_bytes, dev, x1 is not None or dropout_p > 0.0)
+    hold = config.fwd_hold_kind(
+        x.dtype, residual_out.dtype if residual_out is not None else None,
+        plain != "" and rowscale is None and layerscale is None,
+    )  # fmt: skip
+    block_n, split = config.fwd_split(
+        n, elem_bytes, dev, x1 is not None or dropout_p > 0.0, hold
+    )  # fmt: skip
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
-        num_warps = config.fwd_split_warps(plain, split)
         kernel_block, tail = block_n, 0
+        num_warps = config.fwd_split_warps(
+            plain, split, hold if config.fwd_hold(hold, split) else ""
+        )
+        hold = config.fwd_hold(hold, split)
     else:
         block_n, num_chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
+        hold = rows == 1 and num_chunks == 1 and config.fwd_hold(hold, split)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -195,6 +205,9 @@ def _fwd_run(
             SPLIT_P2=config.next_power_of_2(split),
             SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
             BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
+            HOLD=hold,
+            EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
+            EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         ),
         num_warps,
         on_miss=on_miss,

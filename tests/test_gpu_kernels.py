@@ -38,6 +38,7 @@ MATRIX = (
     [("ln", n, d) for n in ALL_N for d in (FP32, BF16)]
     + [("ln", n, FP16) for n in (1024, 16384, 131072)]
     + [("rms", n, FP16) for n in (768, 8192, 32768, 262144)]
+    + [("rms", 32768, BF16)]  # split and held as bf16 (config.fwd_split, config.FWD_HOLD)
     + [("add_rms_prenorm", n, BF16) for n in (4096, 16384, 65536, 262144)]
     + [("add_rms_prenorm", 12288, FP16)]
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]
@@ -251,3 +252,37 @@ def test_gpu_split_rows_many_programs():
     xf = x.float()
     ref = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-6)
+
+
+@pytest.mark.parametrize("n, dtype", [(65536, BF16), (100003, BF16), (65536, FP16)])
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("hold", ["measured", True])
+def test_gpu_held_rows_match_fp32_rows_bitwise(n, dtype, is_rms_norm, hold, monkeypatch):
+    """Rows held in registers in 16 bits (config.FWD_HOLD: "measured" holds x in split parts,
+    True also the stored stream) give bitwise the outputs of rows held in fp32, for a norm of
+    x alone and with a residual and prenorm. (At 32K columns holding also changes the layout,
+    one block to split parts: the matrix checks those rows against the reference.)"""
+    from fused_norm import config
+
+    # The same parts either way: holding alone also moves LayerNorm's 16 parts to 2 warps.
+    monkeypatch.setattr(config, "fwd_split_warps", lambda *args: 2)
+    for residual in (None, dtype):
+        case = Case(shape=(6, n), dtype=dtype, is_rms_norm=is_rms_norm, offset=2.0,
+                    residual_dtype=residual, prenorm=residual is not None, seed=n)  # fmt: skip
+        runs = []
+        for value in (False, hold):
+            monkeypatch.setattr(config, "FWD_HOLD", value)
+            with torch.no_grad():
+                runs.append(call_fused(case, make_inputs(case, "cuda"))[0])
+        assert runs[0].keys() == runs[1].keys()
+        for name in runs[0]:
+            assert_bitwise_equal(f"{name} (residual {residual})", runs[1][name], runs[0][name])
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_gpu_widen_is_exact_for_every_16_bit_pattern(dtype):
+    """kernels._widen compiled for the GPU (ptxas may rewrite what the interpreter runs as
+    written): exact for all 65536 bit patterns."""
+    from test_kernels import test_widen_is_exact_for_every_16_bit_pattern as check
+
+    check(dtype, "cuda")

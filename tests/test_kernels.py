@@ -17,11 +17,16 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _helpers import (
     Case,
+    assert_bitwise_equal,
+    call_fused,
     check_case,
     count_example,
     few_programs,
+    make_inputs,
     max_block_bytes,
     one_row_per_program,
     patched_config,
@@ -30,6 +35,8 @@ from _helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from fused_norm.kernels import _widen
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Widths where off-by-one and power-of-two edges live: 1, 2, primes, 2**k - 1, 2**k, 2**k + 1.
@@ -42,6 +49,7 @@ EXAMPLES_FN = 560
 EXAMPLES_TWO_BLOCKS = 120
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
+EXAMPLES_HELD = 50
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 
@@ -210,6 +218,68 @@ def test_split_rows_match_reference(arg, api):
                                    layerscale=case.seed % 2 == 0)  # fmt: skip
     with split_rows(block_bytes):
         check_case(case, api)
+
+
+@triton.jit
+def widen_kernel(H, OUT, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    tl.store(OUT + cols, _widen(tl.load(H + cols)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widen_is_exact_for_every_16_bit_pattern(dtype, device):
+    """kernels._widen, the held rows' route back to fp32 (config.FWD_HOLD), equals
+    ``.to(torch.float32)`` for all 65536 bit patterns: zeros, subnormals, infinities (NaNs
+    stay NaN)."""
+    h = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
+    out = torch.empty(h.shape, dtype=torch.float32, device=device)
+    widen_kernel[(1,)](h, out, h.numel())
+    ref = h.float()
+    nan = ref.isnan()
+    assert torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    assert bool(out[nan].isnan().all())
+
+
+@st.composite
+def held_cases(draw):
+    """16-bit cases (the residual of x's dtype or fp32) and a row layout: one block, two
+    blocks, or split into parts of 64 or 256 bytes."""
+    case = draw(cases("fn", max_n=320, max_rows=4, min_n=17))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    residual = case.residual_dtype
+    if residual is not None and residual != torch.float32:
+        residual = dtype
+    case = dataclasses.replace(case, dtype=dtype, residual_dtype=residual)
+    return case, draw(st.sampled_from(["one-row", "two-blocks", "split64", "split256"]))
+
+
+@settings(max_examples=EXAMPLES_HELD)
+@given(arg=held_cases())
+def test_held_rows_match_fp32_rows_bitwise(arg):
+    """A forward row held in registers as the 16-bit tensor its sum equals (config.FWD_HOLD:
+    x itself, or the stored stream; kernels._widen) gives bitwise the outputs, stream and
+    masks of the row held in fp32, in every layout: the held values widen exactly."""
+    count_example("test_held_rows_match_fp32_rows_bitwise")
+    case, layout = arg
+    layouts = {
+        "one-row": one_row_per_program,
+        "two-blocks": lambda: tail_blocks(True),
+        "split64": lambda: split_rows(64),
+        "split256": lambda: split_rows(256),
+    }
+    runs = []
+    for hold in (False, True):
+        t = make_inputs(case)
+        torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
+        with layouts[layout](), patched_config(FWD_HOLD=hold), torch.no_grad():
+            runs.append(call_fused(case, t))
+    (outs, masks), (held, held_masks) = runs
+    assert outs.keys() == held.keys()
+    for name in outs:
+        assert_bitwise_equal(name, held[name], outs[name])
+    for name, a, b in zip(("mask", "mask1"), held_masks, masks):
+        if b is not None:
+            assert_bitwise_equal(name, a, b)
 
 
 @settings(max_examples=EXAMPLES_LEGACY)

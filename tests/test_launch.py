@@ -163,6 +163,49 @@ def test_joint_statistics_rule():
         assert config.fwd_joint_stats(*args), args
 
 
+def test_hold_rule():
+    """Forward rows are held in 16 bits (config.FWD_HOLD, bench/NOTES.md #37) where their sum
+    is x itself in bf16 or fp16 and the row is split; a 64 KB row of such x splits (other 64 KB rows
+    without dropout or x1 keep one block); the stream and other dtypes are held only under
+    FWD_HOLD = True."""
+    from fused_norm import config
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert config.fwd_hold_kind(bf16, None, True) == "bf16"
+    assert config.fwd_hold_kind(fp16, None, True) == "fp16"
+    for dtype in (bf16, fp16):
+        assert config.fwd_hold_kind(fp32, dtype, False) == "stream"
+    for args in ((bf16, None, False), (bf16, fp32, False), (fp32, None, True)):
+        assert config.fwd_hold_kind(*args) == "", args
+    assert config.fwd_hold("bf16", 8) and config.fwd_hold("fp16", 8)
+    assert not config.fwd_hold("bf16", 1) and not config.fwd_hold("fp16", 1)
+    assert not config.fwd_hold("stream", 8) and not config.fwd_hold("", 8)
+    gpu = torch.device("cuda")
+    old = (config.split_rows_ok, config.sm_count)
+    config.split_rows_ok, config.sm_count = (lambda d: True), (lambda d: 132)
+    try:
+        assert config.fwd_split(32768, 2, gpu, False, "bf16") == (4096, 8)
+        for kind in ("fp16", "stream", ""):
+            assert config.fwd_split(32768, 2, gpu, False, kind) == (0, 1), kind
+        assert config.fwd_split(16384, 2, gpu, False, "bf16") == (0, 1)
+        assert config.fwd_split_warps("ln", 8, "bf16") == 2
+        assert config.fwd_split_warps("ln", 16, "") == 4
+        assert config.fwd_split_warps("ln", 64, "fp16") == 4
+        assert config.fwd_split_warps("ln", 64, "") == 2
+        assert config.fwd_split_warps("rms", 64, "fp16") == 2
+        saved = config.FWD_HOLD
+        try:
+            config.FWD_HOLD = True
+            assert config.fwd_hold("stream", 1)
+            config.FWD_HOLD = False
+            assert not config.fwd_hold("bf16", 8)
+            assert config.fwd_split(32768, 2, gpu, False, "bf16") == (0, 1)
+        finally:
+            config.FWD_HOLD = saved
+    finally:
+        config.split_rows_ok, config.sm_count = old
+
+
 def test_register_caps_only_where_measured():
     """config's register caps (Triton's maxnreg) go to NVIDIA GPUs only (other backends refuse
     the option) and only to the configurations the sweeps chose (bench/NOTES.md #24): a cap

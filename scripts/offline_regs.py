@@ -1,0 +1,122 @@
+"""Registers per thread of fused_norm's kernels for an H100/H200 (sm_90), compiled on a machine
+without a GPU: Triton's compiler and the ptxas / cuobjdump shipped in its wheel need none.
+
+    python scripts/offline_regs.py fwd ln 65536 [bf16|fp16|fp32] [--res32]
+    python scripts/offline_regs.py bwd parallel 8192
+
+Workloads: ln, rms, add_rms, drop_add_ln, parallel (as in bench/sweep.py). It runs
+``ops.fused_norm_fwd`` / ``fused_norm_bwd`` on small CPU tensors with the launchers replaced by
+a compiler, and config told the device is a 132-SM NVIDIA GPU, so the launch choices are the
+GPU's; for each kernel it would launch it prints warps, registers, stack (spills) and what
+registers allow per SM. Registers differ between Triton versions (their ptxas too): read them
+with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from fused_norm import config, ops  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+config._nvidia = lambda device: True
+config.split_rows_ok = lambda device: True
+config.sm_count = lambda device: 132
+
+
+class OfflineCompile:
+    """Stands in for a launch.Launcher: compiles what would launch and prints its resources."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+
+    def warm(self, *args, **kwargs):
+        pass
+
+    def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None,
+                 on_miss=None, maxnreg=None):  # fmt: skip
+        opts = {"num_warps": num_warps}
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
+        if maxnreg is not None:
+            opts["maxnreg"] = maxnreg
+        bound, spec, options = self.binder(*args, **constexprs, **opts)
+        options, signature, cexprs, attrs = self.kernel._pack_args(
+            BACKEND, {**constexprs, **opts}, bound, spec, options
+        )
+        compiled = triton.compile(
+            ASTSource(self.kernel, signature, cexprs, attrs), target=TARGET,
+            options=options.__dict__,
+        )  # fmt: skip
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run(
+                [CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True
+            ).stdout
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+        alloc = -(-regs // 8) * 8  # registers are allocated in steps of 8 per thread
+        per_sm = min(65536 // (alloc * 32 * num_warps), 32, 64 // num_warps)
+        shown = {k: v for k, v in constexprs.items()
+                 if k in ("BLOCK_N", "TAIL_N", "NUM_CHUNKS", "SPLIT", "ROWS_PER_PROGRAM",
+                          "ROW_STAGES", "TILE_ROWS", "HOLD")}  # fmt: skip
+        print(f"{self.kernel.fn.__name__}: warps={num_warps} maxnreg={maxnreg} regs={regs} "
+              f"stack={stack} programs/SM by registers={per_sm} {shown}")  # fmt: skip
+
+
+ops._FWD = OfflineCompile(ops._fused_norm_fwd_kernel)
+ops._BWD = OfflineCompile(ops._fused_norm_bwd_kernel)
+ops._SUMS = OfflineCompile(ops._bwd_row_sums_kernel)
+
+
+def run(direction, workload, n, dtype="bf16", res32=False, m=64):
+    d = DTYPES[dtype]
+    x = torch.randn(m, n, dtype=d)
+    w = torch.randn(n, dtype=d)
+    b = torch.randn(n, dtype=d) if workload in ("ln", "drop_add_ln", "parallel") else None
+    res = None
+    if workload not in ("ln", "rms"):
+        res = torch.randn(m, n, dtype=torch.float32 if res32 else d)
+    x1 = w1 = b1 = None
+    if workload == "parallel":
+        x1, w1, b1 = torch.randn(m, n, dtype=d), torch.randn(n, dtype=d), torch.randn(n, dtype=d)
+    p = 0.1 if workload in ("drop_add_ln", "parallel") else 0.0
+    rms = workload in ("rms", "add_rms")
+    stream = res.dtype if res is not None else d
+    seeds = torch.zeros(2 * m, dtype=torch.int64) if p else None
+    if direction == "fwd":
+        ops.fused_norm_fwd(x, w, b, res, x1, w1, b1, None, None, seeds, 1e-6, p, rms, False, d,
+                           stream, store_residual_out=res is not None)  # fmt: skip
+    else:
+        s = torch.randn(m, n, dtype=stream)
+        dres = torch.randn(m, n, dtype=stream) if res is not None else None
+        ops.fused_norm_bwd(x, s, w, b, w1, b1, torch.zeros(m), torch.ones(m),
+                           dy1=x if x1 is not None else None, dresidual_out=dres, seeds=seeds,
+                           dropout_p=p, is_rms_norm=rms, x_dtype=d,
+                           residual_dtype=res.dtype if res is not None else None,
+                           x1_dtype=d if x1 is not None else None)  # fmt: skip
+
+
+if __name__ == "__main__":
+    words = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if len(words) < 3 or words[0] not in ("fwd", "bwd"):
+        sys.exit(__doc__)
+    run(words[0], words[1], int(words[2]), words[3] if len(words) > 3 else "bf16",
+        "--res32" in sys.argv)  # fmt: skip
