@@ -63,9 +63,13 @@ def render(rows, env, dtype="bf16", source=None) -> str:
     else:  # rows merged from several runs (--append)
         copy = (f"device-to-device copy ceiling {ceilings[0]}-{ceilings[-1]} GB/s, each row "
                 f"against the copy measured in its own run")  # fmt: skip
+    # Rows merged from several runs (--append) may span days: the first and last run's dates.
+    days = sorted({r.get("date", "")[:10] for r in env.get("earlier_runs", [])}
+                  | {env.get("date", "")[:10]} - {""})  # fmt: skip
+    when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else ""
     out = [
         f"Measured on {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
-        f"{env.get('date', '')[:10]}{where}; {dtype}, M·N = {env.get('elements')} elements; "
+        f"{when}{where}; {dtype}, M·N = {env.get('elements')} elements; "
         f"{copy}. Each cell: fused_norm's bandwidth as % of that copy · its ratio to the "
         f"fastest peer (torch eager, torch.compile, Liger where it supports the shape); "
         f"✗ marks a missed target (see `results.md` there).",
