@@ -153,12 +153,13 @@ def _fwd_run(
     plain = ""
     if x1 is None and residual is None and dropout_p == 0.0:
         plain = "rms" if is_rms_norm else "ln"
-    hold = config.fwd_hold_kind(
+    # What the row could be held in instead of fp32 (config.fwd_hold_kind), and whether it is.
+    kind = config.fwd_hold_kind(
         x.dtype, residual_out.dtype if residual_out is not None else None,
         plain != "" and rowscale is None and layerscale is None,
     )  # fmt: skip
     block_n, split = config.fwd_split(
-        n, elem_bytes, dev, x1 is not None or dropout_p > 0.0, hold
+        n, elem_bytes, dev, x1 is not None or dropout_p > 0.0, kind
     )  # fmt: skip
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
@@ -166,16 +167,14 @@ def _fwd_run(
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
         kernel_block, tail = block_n, 0
-        num_warps = config.fwd_split_warps(
-            plain, split, hold if config.fwd_hold(hold, split) else ""
-        )
-        hold = config.fwd_hold(hold, split)
+        hold = config.fwd_hold(kind, split)
+        num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
     else:
         block_n, num_chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
-        hold = rows == 1 and num_chunks == 1 and config.fwd_hold(hold, split)
+        hold = rows == 1 and num_chunks == 1 and config.fwd_hold(kind, split)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
