@@ -210,6 +210,11 @@ def main():
         default="auto",
         help="auto, none (comma-separated): config.FWD_CHUNK_EVICT as set, or no hints",
     )
+    ap.add_argument(
+        "--fwd-lane-stats",
+        default="on",
+        help="on, off (comma-separated): config.FWD_CHUNK_LANE_STATS",
+    )
     ap.add_argument("--weight-dtype", default="fp32", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
@@ -263,13 +268,14 @@ def main():
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
     evict = config.FWD_CHUNK_EVICT
-    for n, workload, mode, tail, hold, ev in itertools.product(
+    for n, workload, mode, tail, hold, ev, lanes in itertools.product(
         ints(args.ns),
         args.workloads.split(","),
         args.modes.split(","),
         args.tail.split(","),
         args.fwd_hold.split(","),
         args.fwd_evict.split(","),
+        args.fwd_lane_stats.split(","),
     ):
         if mode == "fwd":
             variants = [
@@ -294,6 +300,7 @@ def main():
             config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
+            config.FWD_CHUNK_LANE_STATS = lanes == "on"
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -341,7 +348,7 @@ def main():
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
                 desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
-                        f"tail={tl_} hold={held} evict={ev}")  # fmt: skip
+                        f"tail={tl_} hold={held} evict={ev} lanes={lanes}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc, tl_, bw_ = config.bwd_layout(
@@ -369,6 +376,7 @@ def main():
                 config.TAIL_BLOCKS = "measured"
                 config.FWD_HOLD = "measured"
                 config.FWD_CHUNK_EVICT = evict
+                config.FWD_CHUNK_LANE_STATS = True
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

@@ -110,6 +110,18 @@ def bwd_block_tail(
     return main, tail
 
 
+# A norm of x alone whose 16-bit row would be one block of the widths below runs as a chunked
+# two-sweep row instead (the second sweep re-reads the row from L2, under eviction hints; the
+# statistics summed per column lane: FWD_CHUNK_EVICT, FWD_CHUNK_LANE_STATS), in chunks of the
+# columns given, on FWD_LANE_CHUNK_WARPS warps: small chunks keep few registers, so more rows
+# are in flight. Graph-replay sweeps of 2026-11-24 (H200, bf16 weights, bench/NOTES.md #39):
+# LayerNorm 16K 91.1 -> 95.6% of copy (4K-column chunks), RMSNorm 16K 97.1 -> 101.0% (8K),
+# RMSNorm 8K 97.4-98.2 -> 101.4% (2K or 4K); LayerNorm at 8K keeps its block (98% vs 96%);
+# at 32K the held split parts stay ahead (LayerNorm 87.1 vs 86.1%, RMSNorm 92.5 vs 88.8%).
+FWD_LANE_CHUNKS = {("ln", 16384): 4096, ("rms", 16384): 8192, ("rms", 8192): 4096}
+FWD_LANE_CHUNK_WARPS = 16
+
+
 def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program) of a forward row that is not split: the
     padded block and its chunks (block_config), the tail where that block is held as two
@@ -118,6 +130,9 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
     tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
+    chunk = FWD_LANE_CHUNKS.get((plain, block_n)) if elem_bytes == 2 else None
+    if chunk and num_chunks == 1 and not tail:  # lane-summed chunks (FWD_LANE_CHUNKS)
+        return chunk, cdiv(n_cols, chunk), 0, 1
     return block_n, num_chunks, tail, rows
 
 
@@ -125,6 +140,10 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int
 # first sweep's loads kept for the second ("evict_last"), the second's let go ("evict_first"),
 # as torch.compile's looped reductions do.
 FWD_CHUNK_EVICT = ("evict_last", "evict_first")
+# A chunked forward row's statistics summed per column lane across its chunks and reduced once
+# (LayerNorm: sum and sum of squares, then the exact second moment in one more sweep where
+# that cancels, as in one block), instead of a Chan merge of each chunk's (mean, M2).
+FWD_CHUNK_LANE_STATS = True
 
 
 def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0) -> int:
@@ -144,8 +163,9 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int 
     at 16384 (12288: 94% vs 65% with 8; RMSNorm 98% vs 92%), plain LayerNorm 8 there (90% vs
     74% with 16).
     """
-    if num_chunks > 1:
-        return 32
+    if num_chunks > 1:  # lane-summed chunks of a norm of x alone: fwd_block_layout
+        lane_chunks = (plain, block_n * num_chunks) in FWD_LANE_CHUNKS
+        return FWD_LANE_CHUNK_WARPS if lane_chunks else 32
     if tail:  # two blocks (block_tail), by the padded width: the sweeps of TAIL_BLOCKS
         return 8 if plain == "ln" and block_n == 16384 else {16384: 16}.get(block_n, 4)
     if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)

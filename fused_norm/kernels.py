@@ -545,6 +545,29 @@ def _fwd_split_row(
 
 
 @triton.jit
+def _chunk_sum(
+    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT, row, col0, cols,
+    col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, stride_res_out_row, dropout_p,
+    BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """The fp32 sum s of one chunk of a row whose first sweep already ran: the stream as stored,
+    re-read, or else formed again from the inputs (dropout regenerates the same mask)."""
+    if STORE_RESIDUAL_OUT:
+        s = tl.load(RESIDUAL_OUT + row * stride_res_out_row + cols, mask=col_mask, other=0.0,
+                    eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    else:
+        s = _combine_inputs(
+            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+            row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+            dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
+            HAS_DROPOUT, False, 0, EVICT,
+        )  # fmt: skip
+    return s
+
+
+@triton.jit
 def _fused_norm_fwd_kernel(
     X,             # (M, N) input x
     Y,             # (M, N) output y
@@ -594,6 +617,7 @@ def _fused_norm_fwd_kernel(
     HOLD: tl.constexpr,      # s equals a 16-bit tensor, held instead of s (config.fwd_hold)
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
+    LANE_STATS: tl.constexpr,  # chunked rows: statistics summed per column lane (see below)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
@@ -627,9 +651,13 @@ def _fused_norm_fwd_kernel(
             )  # fmt: skip
     else:
         row = row0
-        # Sweep 1: form s chunk by chunk, store it, and merge (count, mean, M2) per chunk.
+        # Sweep 1: form s chunk by chunk and store it; either merge (count, mean, M2) per chunk
+        # (Chan), or with LANE_STATS add s and s^2 per column lane across the chunks and reduce
+        # once at the end (one exchange between warps per row instead of two per chunk).
         mean = 0.0
         m2 = 0.0
+        lane_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        lane_squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             col_mask = ccols < N
@@ -642,11 +670,40 @@ def _fused_norm_fwd_kernel(
             if STORE_RESIDUAL_OUT:
                 tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
                 s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see above)
-            if IS_RMS_NORM:
+            if LANE_STATS:
+                lane_squares += s * s
+                if not IS_RMS_NORM:
+                    lane_sum += s
+            elif IS_RMS_NORM:
                 m2 += tl.sum(s * s, axis=0)
             else:
                 n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
                 mean, m2 = _chan_merge(mean, m2, s, col_mask, c * BLOCK_N * 1.0, n_c)
+        if LANE_STATS:
+            if IS_RMS_NORM:
+                m2 = tl.sum(lane_squares, axis=0)
+            else:
+                if JOINT_SUMS:
+                    total, squares = tl.reduce((lane_sum, lane_squares), 0, _add_pairs)
+                else:
+                    total = tl.sum(lane_sum, axis=0)
+                    squares = tl.sum(lane_squares, axis=0)
+                mean = total / N
+                m2 = squares - total * mean
+                if _cancels(squares, m2):  # the exact second moment: one more sweep
+                    m2 = 0.0
+                    for c in range(NUM_CHUNKS):
+                        ccols = c * BLOCK_N + cols
+                        col_mask = ccols < N
+                        s = _chunk_sum(
+                            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+                            RESIDUAL_OUT, row, c * BLOCK_N, ccols, col_mask, M, N,
+                            stride_x_row, stride_res_row, stride_x1_row, stride_res_out_row,
+                            dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
+                            HAS_LAYERSCALE, HAS_DROPOUT, STORE_RESIDUAL_OUT, NO_EVICT,
+                        )  # fmt: skip
+                        d = tl.where(col_mask, s - mean, 0.0)
+                        m2 += tl.sum(d * d, axis=0)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         tl.store(RSTD + row, rstd)
         if not IS_RMS_NORM:
@@ -656,16 +713,12 @@ def _fused_norm_fwd_kernel(
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_N + cols
             col_mask = ccols < N
-            if STORE_RESIDUAL_OUT:
-                s = tl.load(RESIDUAL_OUT + row * stride_res_out_row + ccols, mask=col_mask,
-                            other=0.0, eviction_policy=EVICT_SECOND_SWEEP).to(tl.float32)  # fmt: skip
-            else:
-                s = _combine_inputs(
-                    X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
-                    row, c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row,
-                    stride_x1_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-                    HAS_LAYERSCALE, HAS_DROPOUT, False, 0, EVICT_SECOND_SWEEP,
-                )  # fmt: skip
+            s = _chunk_sum(
+                X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT, row,
+                c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
+                stride_res_out_row, dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
+                HAS_LAYERSCALE, HAS_DROPOUT, STORE_RESIDUAL_OUT, EVICT_SECOND_SWEEP,
+            )  # fmt: skip
             if IS_RMS_NORM:
                 xhat = s * rstd
             else:

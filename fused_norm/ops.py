@@ -207,6 +207,7 @@ def _fwd_run(
             HOLD=hold,
             EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
             EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
+            LANE_STATS=num_chunks > 1 and config.FWD_CHUNK_LANE_STATS,
         ),
         num_warps,
         on_miss=on_miss,

@@ -39,6 +39,8 @@ MATRIX = (
     + [("ln", n, FP16) for n in (1024, 16384, 131072)]
     + [("rms", n, FP16) for n in (768, 8192, 32768, 262144)]
     + [("rms", 32768, BF16)]  # split and held as bf16 (config.fwd_split, config.FWD_HOLD)
+    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000 and 8000.
+    + [("rms", 16384, BF16), ("ln", 16000, BF16), ("rms", 8000, BF16)]
     + [("add_rms_prenorm", n, BF16) for n in (4096, 16384, 65536, 262144)]
     + [("add_rms_prenorm", 12288, FP16)]
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]
