@@ -13,8 +13,8 @@ Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-wa
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
        splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
-       [--fwd-hold auto,all,off]  (forward rows held as bf16 where measured, wherever they
-       equal a bf16 tensor, or never: FWD_HOLD)
+       [--fwd-hold auto,all,off]  (split forward rows held in 16 bits where measured, also
+       the stream, or never: FWD_HOLD)
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def main():
                 nc, tl_, fr_ = 1, 0, 1
                 if split == 1:
                     bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
-                held = (split > 1 or (fr_ == 1 and nc == 1)) and config.fwd_hold(kind, split)  # fmt: skip
+                held = config.fwd_hold(kind, split)
                 warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(

@@ -224,8 +224,8 @@ def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bo
 # 91 -> 87% with bf16 weights (84 -> 87% with fp32 ones), 12288 91 -> 84%, RMSNorm 8K-32K -1
 # to -3; holding the stream lost with dropout (-2 to -5 points at 4K-256K, under its register
 # cap) and with x1 at 32K+ (-4), and was even for add + RMSNorm. So FWD_HOLD = "measured"
-# holds x in split parts only; True holds wherever possible (the sweep compares them); False
-# never.
+# holds x in split parts; True holds the stream there too (the sweep compares them; the
+# one-block variant measured above was taken out of the kernel); False holds nothing.
 FWD_HOLD = "measured"
 HOLD_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -241,11 +241,11 @@ def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
 
 
 def fwd_hold(kind: str, split: int) -> bool:
-    """Whether the forward holds the row in 16 bits (FWD_HOLD): ``kind`` from fwd_hold_kind,
-    ``split`` the parts of a split row (1: not split)."""
-    if not kind or not FWD_HOLD:
+    """Whether the forward holds a split row's parts in 16 bits (FWD_HOLD): ``kind`` from
+    fwd_hold_kind, ``split`` the parts of the row (1: not split, never held)."""
+    if not kind or not FWD_HOLD or split == 1:
         return False
-    return FWD_HOLD is True or (kind in ("bf16", "fp16") and split > 1)
+    return FWD_HOLD is True or kind in ("bf16", "fp16")
 
 
 def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
@@ -299,7 +299,7 @@ def fwd_split(
     even when heavy: the x1 path 93 -> 98%, dropout + add + LayerNorm 88% either way (fp32
     sweep of 2026-11-23, bench/NOTES.md #36)."""
     row_bytes = n_cols * elem_bytes
-    held = hold_kind == "bf16" and fwd_hold(hold_kind, 2)
+    held = hold_kind == "bf16" and bool(FWD_HOLD)
     if row_bytes < FWD_SPLIT_MIN_BYTES or (
         row_bytes == FWD_SPLIT_MIN_BYTES and not ((heavy and elem_bytes <= 2) or held)
     ):
@@ -323,9 +323,8 @@ def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     registers, and LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 ->
     68%, 256K 61 -> 66%); fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
     on 4 warps, 66% on 2; bench/NOTES.md #37), so it keeps 4."""
-    if plain == "rms" or (plain == "ln" and held == "bf16"):
-        return max(FWD_SPLIT_WARPS // 2, 1)
-    if plain == "ln" and split > 16 and held != "fp16":
+    few = held == "bf16" or (split > 16 and held != "fp16")
+    if plain == "rms" or (plain == "ln" and few):
         return max(FWD_SPLIT_WARPS // 2, 1)
     return FWD_SPLIT_WARPS
 

@@ -198,7 +198,7 @@ def _fwd_row(
     HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, HOLD: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     """The forward of one row held whole in registers (NUM_CHUNKS == 1): columns
     ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
@@ -233,31 +233,11 @@ def _fwd_row(
             ht = t.to(RESIDUAL_OUT.dtype.element_ty)
             tl.store(RESIDUAL_OUT + row * stride_res_out_row + tcols, ht, mask=tmask)
             t = ht.to(tl.float32)
-    elif HOLD:
-        h = s.to(X.dtype.element_ty)
-        if TAIL_N > 0:
-            ht = t.to(X.dtype.element_ty)
-    # (t exists only where TAIL_N > 0, h and ht only where HOLD: each use sits under those
-    # constexpr tests.)
+    # (t exists only where TAIL_N > 0: each use sits under that constexpr test.)
     if IS_RMS_NORM:
         m2 = tl.sum(s * s, axis=0)
         if TAIL_N > 0:
             m2 += tl.sum(t * t, axis=0)
-    elif HOLD:  # one joint sum: a second pass would keep an fp32 copy of the row live
-        total, squares = _sums(s, 0)
-        if TAIL_N > 0:
-            t_total, t_squares = _sums(t, 0)
-            total += t_total
-            squares += t_squares
-        mean = total / N
-        m2 = squares - total * mean
-        if _cancels(squares, m2):
-            d = tl.where(col_mask, _widen(h) - mean, 0.0)
-            m2 = tl.sum(d * d, axis=0)
-            if TAIL_N > 0:
-                dt = tl.where(tmask, _widen(ht) - mean, 0.0)
-                m2 += tl.sum(dt * dt, axis=0)
-        tl.store(MEAN + row, mean)
     else:
         if JOINT_STATS:
             total, squares = _sums(s, 0)
@@ -286,14 +266,6 @@ def _fwd_row(
         tl.store(MEAN + row, mean)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
-    if HOLD:
-        s = _widen(h)
-        if TAIL_N > 0:
-            t = _widen(ht)
-        if not IS_RMS_NORM:
-            s -= mean
-            if TAIL_N > 0:
-                t -= mean
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
@@ -614,7 +586,7 @@ def _fused_norm_fwd_kernel(
     SPLIT_P2: tl.constexpr,  # next power of two >= SPLIT
     SUB_N: tl.constexpr,     # columns per step where a split program computes another's part
     BOUNDED_WAIT: tl.constexpr,  # split parts stop waiting after max_polls (interpreter)
-    HOLD: tl.constexpr,      # s equals a 16-bit tensor, held instead of s (config.fwd_hold)
+    HOLD: tl.constexpr,      # split rows: s equals a 16-bit tensor, held instead (config.fwd_hold)
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     LANE_STATS: tl.constexpr,  # chunked rows: statistics summed per column lane (see below)
@@ -638,7 +610,7 @@ def _fused_norm_fwd_kernel(
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
                 TAIL_N, IS_RMS_NORM, JOINT_STATS, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
                 HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
-                ZERO_CENTERED_WEIGHT, HOLD,
+                ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
         else:  # narrow rows, several per program as one tile (one block: TAIL_N == 0)
             _fwd_rows(

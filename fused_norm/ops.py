@@ -174,7 +174,7 @@ def _fwd_run(
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
-        hold = rows == 1 and num_chunks == 1 and config.fwd_hold(kind, split)
+        hold = False  # config.fwd_hold: split parts only
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,

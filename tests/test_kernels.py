@@ -242,15 +242,15 @@ def test_widen_is_exact_for_every_16_bit_pattern(dtype, device):
 
 @st.composite
 def held_cases(draw):
-    """16-bit cases (the residual of x's dtype or fp32) and a row layout: one block, two
-    blocks, or split into parts of 64 or 256 bytes."""
+    """16-bit cases (the residual of x's dtype or fp32) and the split parts' size: 64 or 256
+    bytes (only split rows are held: config.fwd_hold)."""
     case = draw(cases("fn", max_n=320, max_rows=4, min_n=17))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
     residual = case.residual_dtype
     if residual is not None and residual != torch.float32:
         residual = dtype
     case = dataclasses.replace(case, dtype=dtype, residual_dtype=residual)
-    return case, draw(st.sampled_from(["one-row", "two-blocks", "split64", "split256"]))
+    return case, draw(st.sampled_from([64, 256]))
 
 
 @settings(max_examples=EXAMPLES_HELD)
@@ -258,20 +258,14 @@ def held_cases(draw):
 def test_held_rows_match_fp32_rows_bitwise(arg):
     """A forward row held in registers as the 16-bit tensor its sum equals (config.FWD_HOLD:
     x itself, or the stored stream; kernels._widen) gives bitwise the outputs, stream and
-    masks of the row held in fp32, in every layout: the held values widen exactly."""
+    masks of the row held in fp32: the held values widen exactly."""
     count_example("test_held_rows_match_fp32_rows_bitwise")
-    case, layout = arg
-    layouts = {
-        "one-row": one_row_per_program,
-        "two-blocks": lambda: tail_blocks(True),
-        "split64": lambda: split_rows(64),
-        "split256": lambda: split_rows(256),
-    }
+    case, part_bytes = arg
     runs = []
     for hold in (False, True):
         t = make_inputs(case)
         torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
-        with layouts[layout](), patched_config(FWD_HOLD=hold), torch.no_grad():
+        with split_rows(part_bytes), patched_config(FWD_HOLD=hold), torch.no_grad():
             runs.append(call_fused(case, t))
     (outs, masks), (held, held_masks) = runs
     assert outs.keys() == held.keys()

@@ -166,8 +166,8 @@ def test_joint_statistics_rule():
 def test_hold_rule():
     """Forward rows are held in 16 bits (config.FWD_HOLD, bench/NOTES.md #37) where their sum
     is x itself in bf16 or fp16 and the row is split; a 64 KB row of such x splits (other 64 KB rows
-    without dropout or x1 keep one block); the stream and other dtypes are held only under
-    FWD_HOLD = True."""
+    without dropout or x1 keep one block); the stream is held only under FWD_HOLD = True, and
+    rows that are not split never."""
     from fused_norm import config
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -196,7 +196,7 @@ def test_hold_rule():
         saved = config.FWD_HOLD
         try:
             config.FWD_HOLD = True
-            assert config.fwd_hold("stream", 1)
+            assert config.fwd_hold("stream", 8) and not config.fwd_hold("bf16", 1)
             config.FWD_HOLD = False
             assert not config.fwd_hold("bf16", 8)
             assert config.fwd_split(32768, 2, gpu, False, "bf16") == (0, 1)
