@@ -211,6 +211,18 @@ def main():
         help="auto, none (comma-separated): config.FWD_CHUNK_EVICT as set, or no hints",
     )
     ap.add_argument(
+        "--fwd-lane-chunk",
+        default="auto",
+        help="auto, or columns per chunk (comma-separated): norms of x alone (ln, rms) as "
+        "lane-summed chunks of that size (config.FWD_LANE_CHUNKS; warps: --fwd-warps, else 16)",
+    )
+    ap.add_argument(
+        "--fwd-unroll",
+        default="auto",
+        help="auto, on, off (comma-separated): lane-summed chunks given by --fwd-lane-chunk "
+        "unrolled or not (auto: on)",
+    )
+    ap.add_argument(
         "--fwd-lane-stats",
         default="on",
         help="on, off (comma-separated): config.FWD_CHUNK_LANE_STATS",
@@ -268,7 +280,8 @@ def main():
               for t in args.fwd_split.split(",")]  # fmt: skip
     rows = []
     evict = config.FWD_CHUNK_EVICT
-    for n, workload, mode, tail, hold, ev, lanes in itertools.product(
+    lane_chunks = dict(config.FWD_LANE_CHUNKS)
+    for n, workload, mode, tail, hold, ev, lanes, lchunk, unroll in itertools.product(
         ints(args.ns),
         args.workloads.split(","),
         args.modes.split(","),
@@ -276,6 +289,8 @@ def main():
         args.fwd_hold.split(","),
         args.fwd_evict.split(","),
         args.fwd_lane_stats.split(","),
+        ints(args.fwd_lane_chunk),
+        args.fwd_unroll.split(","),
     ):
         if mode == "fwd":
             variants = [
@@ -301,6 +316,10 @@ def main():
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
             config.FWD_CHUNK_LANE_STATS = lanes == "on"
+            if lchunk and workload in ("ln", "rms"):
+                config.FWD_LANE_CHUNKS[(workload, config.next_power_of_2(n))] = (
+                    lchunk, fw or 16, unroll != "off"
+                )  # fmt: skip
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -337,7 +356,7 @@ def main():
                 kind = config.fwd_hold_kind(
                     dtype, None if plain else dtype, plain != ""
                 )  # fmt: skip
-                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel", kind)
+                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
                 nc, tl_, fr_ = 1, 0, 1
                 if split == 1:
                     bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
@@ -348,7 +367,8 @@ def main():
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
                 desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
-                        f"tail={tl_} hold={held} evict={ev} lanes={lanes}")  # fmt: skip
+                        f"tail={tl_} hold={held} evict={ev} lanes={lanes} "
+                        f"unroll={config.fwd_chunk_unroll(plain, bn, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc, tl_, bw_ = config.bwd_layout(
@@ -377,6 +397,8 @@ def main():
                 config.FWD_HOLD = "measured"
                 config.FWD_CHUNK_EVICT = evict
                 config.FWD_CHUNK_LANE_STATS = True
+                config.FWD_LANE_CHUNKS.clear()
+                config.FWD_LANE_CHUNKS.update(lane_chunks)
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

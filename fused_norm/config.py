@@ -112,14 +112,37 @@ def bwd_block_tail(
 
 # A norm of x alone whose 16-bit row would be one block of the widths below runs as a chunked
 # two-sweep row instead (the second sweep re-reads the row from L2, under eviction hints; the
-# statistics summed per column lane: FWD_CHUNK_EVICT, FWD_CHUNK_LANE_STATS), in chunks of the
-# columns given, on FWD_LANE_CHUNK_WARPS warps: small chunks keep few registers, so more rows
-# are in flight. Graph-replay sweeps of 2026-11-24 (H200, bf16 weights, bench/NOTES.md #39):
-# LayerNorm 16K 91.1 -> 95.6% of copy (4K-column chunks), RMSNorm 16K 97.1 -> 101.0% (8K),
-# RMSNorm 8K 97.4-98.2 -> 101.4% (2K or 4K); LayerNorm at 8K keeps its block (98% vs 96%);
-# at 32K the held split parts stay ahead (LayerNorm 87.1 vs 86.1%, RMSNorm 92.5 vs 88.8%).
-FWD_LANE_CHUNKS = {("ln", 16384): 4096, ("rms", 16384): 8192, ("rms", 8192): 4096}
-FWD_LANE_CHUNK_WARPS = 16
+# statistics summed per column lane: FWD_CHUNK_EVICT, FWD_CHUNK_LANE_STATS), as torch.compile's
+# looped reductions do: (columns per chunk, warps, whether the two sweeps are unrolled so that
+# every chunk's loads can be in flight before the first is used; Triton's loop_unroll_factor).
+# Small chunks keep few registers, so more rows are in flight. Graph-replay sweeps on an H200
+# (bf16 weights, bench/NOTES.md #39-#40), against the one block or the held split parts:
+# LayerNorm 16K 91.1 -> 95.3% of copy, RMSNorm 16K 97.1 -> 100.9%, RMSNorm 8K 97.4-98.2 ->
+# 101.6%, RMSNorm 32K 92.5 -> 99.8% and LayerNorm 32K 87.3 -> 91.8% (32 warps; unrolled, the
+# LayerNorm 87.7% of the loop); LayerNorm at 8K keeps its block (97.7% vs 95.9%). Unrolling
+# lost at 16K (LayerNorm 95.3 -> 84.1% with 4K chunks on 16 warps) and elsewhere changed
+# less than a point. At 64K the split parts stay ahead (RMSNorm 91% vs 83%, LayerNorm 85% vs
+# 76%: a row in flight per program no longer fits L2 beside the others).
+FWD_LANE_CHUNKS = {
+    ("ln", 16384): (4096, 16, False),
+    ("ln", 32768): (8192, 32, True),
+    ("rms", 8192): (4096, 16, False),
+    ("rms", 16384): (8192, 16, False),
+    ("rms", 32768): (8192, 32, False),
+}
+
+
+def fwd_lane_chunk(plain: str, width: int) -> tuple[int, int, bool] | None:
+    """(columns per chunk, warps, unrolled) where a norm of x alone (``plain``: "ln" / "rms")
+    whose 16-bit row pads to ``width`` columns runs as lane-summed chunks (FWD_LANE_CHUNKS)."""
+    return FWD_LANE_CHUNKS.get((plain, width)) if plain else None
+
+
+def fwd_chunk_unroll(plain: str, block_n: int, num_chunks: int) -> int:
+    """Unroll factor of a chunked forward row's two sweeps: all its chunks where its lane-summed
+    chunks say so (FWD_LANE_CHUNKS), else 1 (a loop)."""
+    lane = fwd_lane_chunk(plain, next_power_of_2(block_n * num_chunks)) if num_chunks > 1 else None
+    return num_chunks if lane and lane[0] == block_n and lane[2] else 1
 
 
 def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, int, int]:
@@ -130,9 +153,9 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
     tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
-    chunk = FWD_LANE_CHUNKS.get((plain, block_n)) if elem_bytes == 2 else None
-    if chunk and num_chunks == 1 and not tail:  # lane-summed chunks (FWD_LANE_CHUNKS)
-        return chunk, cdiv(n_cols, chunk), 0, 1
+    lane = fwd_lane_chunk(plain, block_n) if elem_bytes == 2 else None
+    if lane and num_chunks == 1 and not tail:  # lane-summed chunks (FWD_LANE_CHUNKS)
+        return lane[0], cdiv(n_cols, lane[0]), 0, 1
     return block_n, num_chunks, tail, rows
 
 
@@ -164,8 +187,8 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int 
     74% with 16).
     """
     if num_chunks > 1:  # lane-summed chunks of a norm of x alone: fwd_block_layout
-        lane_chunks = (plain, block_n * num_chunks) in FWD_LANE_CHUNKS
-        return FWD_LANE_CHUNK_WARPS if lane_chunks else 32
+        lane = fwd_lane_chunk(plain, next_power_of_2(block_n * num_chunks))
+        return lane[1] if lane and lane[0] == block_n else 32
     if tail:  # two blocks (block_tail), by the padded width: the sweeps of TAIL_BLOCKS
         return 8 if plain == "ln" and block_n == 16384 else {16384: 16}.get(block_n, 4)
     if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)
@@ -283,25 +306,22 @@ FWD_SPLIT_SUB_N = 128
 
 
 def fwd_split(
-    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False, hold_kind: str = ""
+    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False
 ) -> tuple[int, int]:
     """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
 
     Rows wider than FWD_SPLIT_MIN_BYTES split; ``heavy`` rows (dropout or the x1 path: more
-    work per column) from FWD_SPLIT_MIN_BYTES on, and so do norms of x alone in bf16 that
-    fwd_hold holds in split parts (``hold_kind`` "bf16", fwd_hold_kind): RMSNorm at 32K
-    columns 84 -> 91% of copy, LayerNorm 65 -> 72% (sweeps of 2026-11-24, bench/NOTES.md #37;
-    in fp16 the one block stayed ahead: RMSNorm 92 vs 89%, LayerNorm 83 vs 80%). At exactly 64 KB (32K 16-bit columns, else
+    work per column) from FWD_SPLIT_MIN_BYTES on. At exactly 64 KB (32K 16-bit columns, else
     one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #30)
     measured 8 parts of 4K columns against the one block: dropout + add + LayerNorm 73 -> 85% of
-    copy, the x1 path 77 -> 84%; LayerNorm 63 -> 66%, RMSNorm 84 -> 83% and add + RMSNorm 98 ->
-    96% keep the block. A 64 KB row of wider elements (16K fp32 columns) keeps its one block
-    even when heavy: the x1 path 93 -> 98%, dropout + add + LayerNorm 88% either way (fp32
-    sweep of 2026-11-23, bench/NOTES.md #36)."""
+    copy, the x1 path 77 -> 84%; add + RMSNorm 98 -> 96% keeps the block. Norms of x alone in
+    bf16 split there too from 2026-11-24 (held parts: RMSNorm 84 -> 91%, LayerNorm 65 -> 72%,
+    bench/NOTES.md #37) until lane-summed chunks beat both (FWD_LANE_CHUNKS, NOTES #40). A 64 KB
+    row of wider elements (16K fp32 columns) keeps its one block even when heavy: the x1 path
+    93 -> 98%, dropout + add + LayerNorm 88% either way (fp32 sweep of 2026-11-23, NOTES #36)."""
     row_bytes = n_cols * elem_bytes
-    held = hold_kind == "bf16" and bool(FWD_HOLD)
     if row_bytes < FWD_SPLIT_MIN_BYTES or (
-        row_bytes == FWD_SPLIT_MIN_BYTES and not ((heavy and elem_bytes <= 2) or held)
+        row_bytes == FWD_SPLIT_MIN_BYTES and not (heavy and elem_bytes <= 2)
     ):
         return 0, 1
     if not split_rows_ok(device):

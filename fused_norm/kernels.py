@@ -590,6 +590,7 @@ def _fused_norm_fwd_kernel(
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     LANE_STATS: tl.constexpr,  # chunked rows: statistics summed per column lane (see below)
+    UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
@@ -630,7 +631,7 @@ def _fused_norm_fwd_kernel(
         m2 = 0.0
         lane_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
         lane_squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
+        for c in tl.range(0, NUM_CHUNKS, loop_unroll_factor=UNROLL):
             ccols = c * BLOCK_N + cols
             col_mask = ccols < N
             s = _combine_inputs(
@@ -682,7 +683,8 @@ def _fused_norm_fwd_kernel(
             tl.store(MEAN + row, mean)
         # Sweep 2: normalise. The residual stream is re-read where it was stored (mostly from
         # L2); otherwise s is formed again from the inputs (dropout regenerates the same mask).
-        for c in range(NUM_CHUNKS):
+        # Unrolled (UNROLL), every chunk's loads can be in flight before the first is used.
+        for c in tl.range(0, NUM_CHUNKS, loop_unroll_factor=UNROLL):
             ccols = c * BLOCK_N + cols
             col_mask = ccols < N
             s = _chunk_sum(

@@ -158,9 +158,7 @@ def _fwd_run(
         x.dtype, residual_out.dtype if residual_out is not None else None,
         plain != "" and rowscale is None and layerscale is None,
     )  # fmt: skip
-    block_n, split = config.fwd_split(
-        n, elem_bytes, dev, x1 is not None or dropout_p > 0.0, kind
-    )  # fmt: skip
+    block_n, split = config.fwd_split(n, elem_bytes, dev, x1 is not None or dropout_p > 0.0)
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
@@ -208,6 +206,7 @@ def _fwd_run(
             EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
             EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
             LANE_STATS=num_chunks > 1 and config.FWD_CHUNK_LANE_STATS,
+            UNROLL=config.fwd_chunk_unroll(plain, block_n, num_chunks),
         ),
         num_warps,
         on_miss=on_miss,

@@ -38,9 +38,9 @@ MATRIX = (
     [("ln", n, d) for n in ALL_N for d in (FP32, BF16)]
     + [("ln", n, FP16) for n in (1024, 16384, 131072)]
     + [("rms", n, FP16) for n in (768, 8192, 32768, 262144)]
-    + [("rms", 32768, BF16)]  # split and held as bf16 (config.fwd_split, config.FWD_HOLD)
-    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000 and 8000.
-    + [("rms", 16384, BF16), ("ln", 16000, BF16), ("rms", 8000, BF16)]
+    + [("rms", 32768, BF16)]  # lane-summed chunks of 32 warps (LayerNorm unrolled: ALL_N)
+    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000, 8000, 30000.
+    + [("rms", 16384, BF16), ("ln", 16000, BF16), ("rms", 8000, BF16), ("ln", 30000, BF16)]
     + [("add_rms_prenorm", n, BF16) for n in (4096, 16384, 65536, 262144)]
     + [("add_rms_prenorm", 12288, FP16)]
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]

@@ -36,6 +36,7 @@ from _helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fused_norm import config
 from fused_norm.kernels import _widen
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,6 +51,7 @@ EXAMPLES_TWO_BLOCKS = 120
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
+EXAMPLES_LANE = 50
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 
@@ -218,6 +220,44 @@ def test_split_rows_match_reference(arg, api):
                                    layerscale=case.seed % 2 == 0)  # fmt: skip
     with split_rows(block_bytes):
         check_case(case, api)
+
+
+@st.composite
+def lane_chunk_cases(draw):
+    """Norms of x alone (no residual, x1 or dropout) in 16-bit whose rows pad to 256 columns,
+    with the lane-summed chunks (config.FWD_LANE_CHUNKS) that width gets: 32 or 64 columns."""
+    case = draw(cases("fn", min_n=129, max_n=256, max_rows=4))
+    case = dataclasses.replace(
+        case, dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])), residual_dtype=None,
+        residual_in_fp32=False, has_x1=False, has_w1=False, has_b1=False, dropout_p=0.0,
+        prenorm=False,
+    )  # fmt: skip
+    return case, draw(st.sampled_from([32, 64]))
+
+
+@settings(max_examples=EXAMPLES_LANE)
+@given(arg=lane_chunk_cases())
+def test_lane_chunked_rows_unrolled(arg):
+    """Rows in lane-summed chunks (config.FWD_LANE_CHUNKS) match the reference with their two
+    sweeps unrolled, and give bitwise the outputs of the loop."""
+    count_example("test_lane_chunked_rows_unrolled")
+    case, chunk = arg
+    plain, n = ("rms" if case.is_rms_norm else "ln"), case.shape[-1]
+    runs = []
+    for unroll in (True, False):
+        with patched_config(FWD_LANE_CHUNKS={(plain, 256): (chunk, 2, unroll)}):
+            block_n, chunks, _, _ = config.fwd_block_layout(n, 2, plain)
+            assert (block_n, chunks) == (chunk, -(-n // chunk)), "not lane-chunked"
+            assert config.fwd_chunk_unroll(plain, block_n, chunks) == (chunks if unroll else 1)
+            t = make_inputs(case)
+            if unroll:
+                outs = check_case(case, "fn", t=t)[0]
+            else:
+                with torch.no_grad():
+                    outs = call_fused(case, t)[0]
+            runs.append({k: v.detach() for k, v in outs.items()})
+    for name in runs[0]:
+        assert_bitwise_equal(name, runs[0][name], runs[1][name])
 
 
 @triton.jit

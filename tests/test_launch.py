@@ -165,9 +165,10 @@ def test_joint_statistics_rule():
 
 def test_hold_rule():
     """Forward rows are held in 16 bits (config.FWD_HOLD, bench/NOTES.md #37) where their sum
-    is x itself in bf16 or fp16 and the row is split; a 64 KB row of such x splits (other 64 KB rows
-    without dropout or x1 keep one block); the stream is held only under FWD_HOLD = True, and
-    rows that are not split never."""
+    is x itself in bf16 or fp16 and the row is split; the stream is held only under
+    FWD_HOLD = True, and rows that are not split never. 64 KB rows split only with dropout or
+    x1 in 16 bits; norms of x alone there, and at 8K-16K columns, run as lane-summed chunks
+    (config.FWD_LANE_CHUNKS, NOTES #39-#40)."""
     from fused_norm import config
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -184,10 +185,10 @@ def test_hold_rule():
     old = (config.split_rows_ok, config.sm_count)
     config.split_rows_ok, config.sm_count = (lambda d: True), (lambda d: 132)
     try:
-        assert config.fwd_split(32768, 2, gpu, False, "bf16") == (4096, 8)
-        for kind in ("fp16", "stream", ""):
-            assert config.fwd_split(32768, 2, gpu, False, kind) == (0, 1), kind
-        assert config.fwd_split(16384, 2, gpu, False, "bf16") == (0, 1)
+        assert config.fwd_split(32768, 2, gpu, True) == (4096, 8)
+        assert config.fwd_split(32768, 2, gpu, False) == (0, 1)
+        assert config.fwd_split(16384, 4, gpu, True) == (0, 1)
+        assert config.fwd_split(65536, 2, gpu, False) == (4096, 16)
         assert config.fwd_split_warps("ln", 8, "bf16") == 2
         assert config.fwd_split_warps("ln", 16, "") == 4
         assert config.fwd_split_warps("ln", 64, "fp16") == 4
@@ -199,11 +200,21 @@ def test_hold_rule():
             assert config.fwd_hold("stream", 8) and not config.fwd_hold("bf16", 1)
             config.FWD_HOLD = False
             assert not config.fwd_hold("bf16", 8)
-            assert config.fwd_split(32768, 2, gpu, False, "bf16") == (0, 1)
         finally:
             config.FWD_HOLD = saved
     finally:
         config.split_rows_ok, config.sm_count = old
+    # Lane-summed chunks: (BLOCK_N, NUM_CHUNKS, TAIL_N, rows), warps, unroll factor.
+    assert config.fwd_block_layout(32768, 2, "ln") == (8192, 4, 0, 1)
+    assert config.fwd_num_warps(8192, 4, "ln") == 32
+    assert config.fwd_chunk_unroll("ln", 8192, 4) == 4
+    assert config.fwd_block_layout(32768, 2, "rms") == (8192, 4, 0, 1)
+    assert config.fwd_chunk_unroll("rms", 8192, 4) == 1
+    assert config.fwd_block_layout(16000, 2, "ln") == (4096, 4, 0, 1)
+    assert config.fwd_num_warps(4096, 4, "ln") == 16
+    assert config.fwd_block_layout(32768, 4, "rms")[:2] == (16384, 2)  # fp32: no lane chunks
+    assert config.fwd_block_layout(32768, 2, "")[0] == 32768  # a stream: no lane chunks
+    assert config.fwd_chunk_unroll("", 16384, 4) == 1  # the fallback chunked rows loop
 
 
 def test_register_caps_only_where_measured():
