@@ -213,7 +213,7 @@ def main():
     ap.add_argument(
         "--fwd-lane-chunk",
         default="auto",
-        help="auto, or columns per chunk (comma-separated): norms of x alone (ln, rms) as "
+        help="auto, off, or columns per chunk (comma-separated): norms of x alone (ln, rms) as "
         "lane-summed chunks of that size (config.FWD_LANE_CHUNKS; warps: --fwd-warps, else 16)",
     )
     ap.add_argument(
@@ -289,7 +289,7 @@ def main():
         args.fwd_hold.split(","),
         args.fwd_evict.split(","),
         args.fwd_lane_stats.split(","),
-        ints(args.fwd_lane_chunk),
+        [{"auto": None, "off": -1}.get(t, t) for t in args.fwd_lane_chunk.split(",")],
         args.fwd_unroll.split(","),
     ):
         if mode == "fwd":
@@ -316,7 +316,10 @@ def main():
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
             config.FWD_CHUNK_LANE_STATS = lanes == "on"
-            if lchunk and workload in ("ln", "rms"):
+            lchunk = int(lchunk) if lchunk is not None else None
+            if lchunk == -1:
+                config.FWD_LANE_CHUNKS.pop((workload, config.next_power_of_2(n)), None)
+            elif lchunk and workload in ("ln", "rms"):
                 config.FWD_LANE_CHUNKS[(workload, config.next_power_of_2(n))] = (
                     lchunk, fw or 16, unroll != "off"
                 )  # fmt: skip

@@ -115,47 +115,67 @@ def bwd_block_tail(
 # statistics summed per column lane: FWD_CHUNK_EVICT, FWD_CHUNK_LANE_STATS), as torch.compile's
 # looped reductions do: (columns per chunk, warps, whether the two sweeps are unrolled so that
 # every chunk's loads can be in flight before the first is used; Triton's loop_unroll_factor).
-# Small chunks keep few registers, so more rows are in flight. Graph-replay sweeps on an H200
-# (bf16 weights, bench/NOTES.md #39-#40), against the one block or the held split parts:
-# LayerNorm 16K 91.1 -> 95.3% of copy, RMSNorm 16K 97.1 -> 100.9%, RMSNorm 8K 97.4-98.2 ->
-# 101.6%, RMSNorm 32K 92.5 -> 99.8% and LayerNorm 32K 87.3 -> 91.8% (32 warps; unrolled, the
-# LayerNorm 87.7% of the loop); LayerNorm at 8K keeps its block (97.7% vs 95.9%). Unrolling
-# lost at 16K (LayerNorm 95.3 -> 84.1% with 4K chunks on 16 warps) and elsewhere changed
-# less than a point. At 64K the split parts stay ahead (RMSNorm 91% vs 83%, LayerNorm 85% vs
-# 76%: a row in flight per program no longer fits L2 beside the others).
+# Keys are padded widths (a row held as two blocks keeps them: fwd_block_tail) or, where the
+# key is not a power of two, that width exactly, also over its two blocks. Small chunks keep
+# few registers, so more rows are in flight. Graph-replay sweeps on an H200 (bf16 weights,
+# bench/NOTES.md #39-#40), against the one block, two blocks or the held split parts:
+# LayerNorm 16K 91.1 -> 95.3% of copy, 32K 87.3 -> 92.3% (32 warps, unrolled: the loop
+# 87.7%); RMSNorm 4K 98.0-98.2 -> 101.5%, 8K 97.4-98.2 -> 101.6%, 12288 98.1-98.4 -> 101.2%,
+# 16K 97.1 -> 100.9%, 32K 92.5 -> 99.8%; at 20K-24K (one padded 32K block before) RMSNorm
+# 73-81 -> 101%, LayerNorm 62-70 -> 91-95%. LayerNorm at 4K and 8K keeps its block (96.7%
+# vs 96.4%, 97.7% vs 95.9%), two blocks stay at 2560-10240 (lanes 3-10 points behind) and
+# LayerNorm 12288 (97.8% either way). Unrolling lost at 16K (LayerNorm 95.3 -> 84.1% with 4K
+# chunks on 16 warps) and elsewhere changed less than a point. At 64K the split parts stay
+# ahead (RMSNorm 91% vs 83%, LayerNorm 85% vs 76%: a row in flight per program no longer
+# fits L2 beside the others); rows with a stream, dropout or x1 lost in chunks at 16K-32K
+# (dropout + add + LayerNorm 97 / 92% -> at best 92 / 79%, the x1 path 98 / 96% -> 99 / 74%).
 FWD_LANE_CHUNKS = {
+    ("rms", 4096): (2048, 8, False),
     ("ln", 16384): (4096, 16, False),
     ("ln", 32768): (8192, 32, True),
     ("rms", 8192): (4096, 16, False),
+    ("rms", 12288): (4096, 16, False),
     ("rms", 16384): (8192, 16, False),
     ("rms", 32768): (8192, 32, False),
 }
 
 
-def fwd_lane_chunk(plain: str, width: int) -> tuple[int, int, bool] | None:
-    """(columns per chunk, warps, unrolled) where a norm of x alone (``plain``: "ln" / "rms")
-    whose 16-bit row pads to ``width`` columns runs as lane-summed chunks (FWD_LANE_CHUNKS)."""
-    return FWD_LANE_CHUNKS.get((plain, width)) if plain else None
+def fwd_lane_chunk(plain: str, block_n: int, num_chunks: int) -> tuple[int, int, bool] | None:
+    """(columns per chunk, warps, unrolled) of a chunked forward row of ``num_chunks`` chunks
+    of ``block_n`` columns that are a norm of x alone's lane-summed chunks (FWD_LANE_CHUNKS,
+    fwd_block_layout), else None."""
+    width = block_n * num_chunks
+    if not plain or num_chunks < 2:
+        return None
+    lane = FWD_LANE_CHUNKS.get((plain, width)) or FWD_LANE_CHUNKS.get(
+        (plain, next_power_of_2(width))
+    )
+    return lane if lane and lane[0] == block_n else None
 
 
 def fwd_chunk_unroll(plain: str, block_n: int, num_chunks: int) -> int:
     """Unroll factor of a chunked forward row's two sweeps: all its chunks where its lane-summed
     chunks say so (FWD_LANE_CHUNKS), else 1 (a loop)."""
-    lane = fwd_lane_chunk(plain, next_power_of_2(block_n * num_chunks)) if num_chunks > 1 else None
-    return num_chunks if lane and lane[0] == block_n and lane[2] else 1
+    lane = fwd_lane_chunk(plain, block_n, num_chunks)
+    return num_chunks if lane and lane[2] else 1
 
 
 def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program) of a forward row that is not split: the
     padded block and its chunks (block_config), the tail where that block is held as two
     (fwd_block_tail: its first block is then BLOCK_N // 2; a tile of several rows keeps one
-    block) and the rows per program (fwd_rows_per_program)."""
+    block) and the rows per program (fwd_rows_per_program); or the lane-summed chunks of a
+    16-bit norm of x alone (FWD_LANE_CHUNKS): by its padded width where the row is one block,
+    by its own width also where it would be two."""
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
     tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
-    lane = fwd_lane_chunk(plain, block_n) if elem_bytes == 2 else None
-    if lane and num_chunks == 1 and not tail:  # lane-summed chunks (FWD_LANE_CHUNKS)
-        return lane[0], cdiv(n_cols, lane[0]), 0, 1
+    if elem_bytes == 2 and num_chunks == 1 and plain:
+        lane = FWD_LANE_CHUNKS.get((plain, n_cols)) or (
+            None if tail else FWD_LANE_CHUNKS.get((plain, block_n))
+        )
+        if lane:
+            return lane[0], cdiv(n_cols, lane[0]), 0, 1
     return block_n, num_chunks, tail, rows
 
 
@@ -187,8 +207,8 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int 
     74% with 16).
     """
     if num_chunks > 1:  # lane-summed chunks of a norm of x alone: fwd_block_layout
-        lane = fwd_lane_chunk(plain, next_power_of_2(block_n * num_chunks))
-        return lane[1] if lane and lane[0] == block_n else 32
+        lane = fwd_lane_chunk(plain, block_n, num_chunks)
+        return lane[1] if lane else 32
     if tail:  # two blocks (block_tail), by the padded width: the sweeps of TAIL_BLOCKS
         return 8 if plain == "ln" and block_n == 16384 else {16384: 16}.get(block_n, 4)
     if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)

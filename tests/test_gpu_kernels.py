@@ -39,8 +39,10 @@ MATRIX = (
     + [("ln", n, FP16) for n in (1024, 16384, 131072)]
     + [("rms", n, FP16) for n in (768, 8192, 32768, 262144)]
     + [("rms", 32768, BF16)]  # lane-summed chunks of 32 warps (LayerNorm unrolled: ALL_N)
-    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000, 8000, 30000.
+    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000, 8000, 30000,
+    # 4000 and 20000; 12288 by its own width, in place of two blocks.
     + [("rms", 16384, BF16), ("ln", 16000, BF16), ("rms", 8000, BF16), ("ln", 30000, BF16)]
+    + [("rms", 4000, BF16), ("rms", 12288, BF16), ("ln", 20000, BF16)]
     + [("add_rms_prenorm", n, BF16) for n in (4096, 16384, 65536, 262144)]
     + [("add_rms_prenorm", 12288, FP16)]
     + [("drop_add_ln_prenorm_fp32res", n, BF16) for n in (1024, 8192, 131072)]

@@ -215,6 +215,14 @@ def test_hold_rule():
     assert config.fwd_block_layout(32768, 4, "rms")[:2] == (16384, 2)  # fp32: no lane chunks
     assert config.fwd_block_layout(32768, 2, "")[0] == 32768  # a stream: no lane chunks
     assert config.fwd_chunk_unroll("", 16384, 4) == 1  # the fallback chunked rows loop
+    assert config.fwd_block_layout(4096, 2, "rms") == (2048, 2, 0, 1)
+    assert config.fwd_num_warps(2048, 2, "rms") == 8
+    assert config.fwd_block_layout(12288, 2, "rms") == (4096, 3, 0, 1)  # over two blocks
+    assert config.fwd_num_warps(4096, 3, "rms") == 16
+    assert config.fwd_block_layout(10240, 2, "rms")[2] > 0  # two blocks
+    assert config.fwd_block_layout(12288, 2, "ln")[2] > 0
+    assert config.fwd_block_layout(20480, 2, "ln") == (8192, 3, 0, 1)
+    assert config.fwd_chunk_unroll("ln", 8192, 3) == 3
 
 
 def test_register_caps_only_where_measured():
