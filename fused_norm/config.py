@@ -431,13 +431,15 @@ def bwd_num_warps(
     ``plain``: no residual gradient in or out, no x1, no dropout (a norm of x alone). Its
     8192-column block with one partial takes 8 warps: RMSNorm 86% of copy vs 73% with 16, in
     two sessions' sweeps (bench/NOTES.md #30); add + RMSNorm prenorm keeps 16 (4: 81%, 16:
-    78%, 8: 53%)."""
+    78%, 8: 53%). Its 4096-column block with one partial takes 4 (RMSNorm bf16 85 -> 90%,
+    fp16 75 -> 89%: on 8 warps fp16 took 72 registers, past 64; bench/NOTES.md #41), where
+    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%)."""
     if tail:  # two blocks of a padded 8192 or 16384, from the sweeps of TAIL_BLOCKS
         if block_n > 8192:
             return 16
         return 16 if partials == 1 else (8 if partials >= 4 else 4)
-    if plain and partials == 1 and block_n == 8192:
-        return 8
+    if plain and partials == 1 and block_n in (4096, 8192):
+        return block_n // 1024
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
     if block_n <= 256:

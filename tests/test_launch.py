@@ -247,3 +247,14 @@ def test_register_caps_only_where_measured():
     for args in ((1024, 1, True, 2, cpu), (1024, 1, True, 4, gpu), (1024, 1, False, 2, gpu),
                  (4096, 1, True, 2, gpu), (512, 1, True, 2, gpu)):  # fmt: skip
         assert config.bwd_maxnreg(*args) is None, args
+
+
+def test_backward_warps_of_a_plain_rmsnorm():
+    """RMSNorm of x alone (one partial) takes 4 warps at 4096 columns and 8 at 8192; add +
+    RMSNorm keeps 8 at 4096, LayerNorm (two partials) too (bench/NOTES.md #30, #41)."""
+    from fused_norm import config
+
+    assert config.bwd_num_warps(4096, 1, plain=True) == 4
+    assert config.bwd_num_warps(8192, 1, plain=True) == 8
+    assert config.bwd_num_warps(4096, 1) == 8
+    assert config.bwd_num_warps(4096, 2, plain=True) == 8
