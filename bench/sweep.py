@@ -316,13 +316,14 @@ def main():
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
             config.FWD_CHUNK_LANE_STATS = lanes == "on"
+            # An explicit chunk size is keyed by the width itself, which wins over two blocks
+            # and over the padded width's entry (config.fwd_block_layout); "off" drops both.
             lchunk = int(lchunk) if lchunk is not None else None
             if lchunk == -1:
+                config.FWD_LANE_CHUNKS.pop((workload, n), None)
                 config.FWD_LANE_CHUNKS.pop((workload, config.next_power_of_2(n)), None)
             elif lchunk and workload in ("ln", "rms"):
-                config.FWD_LANE_CHUNKS[(workload, config.next_power_of_2(n))] = (
-                    lchunk, fw or 16, unroll != "off"
-                )  # fmt: skip
+                config.FWD_LANE_CHUNKS[(workload, n)] = (lchunk, fw or 16, unroll != "off")
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -360,18 +361,19 @@ def main():
                     dtype, None if plain else dtype, plain != ""
                 )  # fmt: skip
                 bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
-                nc, tl_, fr_ = 1, 0, 1
+                nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
                     bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
+                    lane = config.fwd_lane_chunk(n, eb, plain)
                 held = config.fwd_hold(kind, split)
                 warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
-                         else config.fwd_num_warps(bn, nc, plain, tl_))  # fmt: skip
+                         else config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
                 desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
                         f"tail={tl_} hold={held} evict={ev} lanes={lanes} "
-                        f"unroll={config.fwd_chunk_unroll(plain, bn, nc)}")  # fmt: skip
+                        f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
                 bn, nc, tl_, bw_ = config.bwd_layout(

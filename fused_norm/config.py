@@ -140,23 +140,26 @@ FWD_LANE_CHUNKS = {
 }
 
 
-def fwd_lane_chunk(plain: str, block_n: int, num_chunks: int) -> tuple[int, int, bool] | None:
-    """(columns per chunk, warps, unrolled) of a chunked forward row of ``num_chunks`` chunks
-    of ``block_n`` columns that are a norm of x alone's lane-summed chunks (FWD_LANE_CHUNKS,
-    fwd_block_layout), else None."""
-    width = block_n * num_chunks
-    if not plain or num_chunks < 2:
+def fwd_lane_chunk(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, bool] | None:
+    """(columns per chunk, warps, unrolled) where a forward row of a norm of x alone (``plain``:
+    "ln" / "rms") in 16 bits runs as lane-summed chunks (FWD_LANE_CHUNKS), else None: the entry
+    of its own width, or where it is one block (not two: fwd_block_tail), of its padded width."""
+    if elem_bytes != 2 or not plain:
         return None
-    lane = FWD_LANE_CHUNKS.get((plain, width)) or FWD_LANE_CHUNKS.get(
-        (plain, next_power_of_2(width))
-    )
-    return lane if lane and lane[0] == block_n else None
+    block_n, num_chunks = block_config(n_cols, elem_bytes)
+    if num_chunks != 1:
+        return None
+    if (plain, n_cols) in FWD_LANE_CHUNKS:
+        return FWD_LANE_CHUNKS[(plain, n_cols)]
+    rows = fwd_rows_per_program(block_n, num_chunks, plain)
+    if rows == 1 and fwd_block_tail(n_cols, block_n, num_chunks)[1]:
+        return None
+    return FWD_LANE_CHUNKS.get((plain, block_n))
 
 
-def fwd_chunk_unroll(plain: str, block_n: int, num_chunks: int) -> int:
+def fwd_chunk_unroll(lane: tuple[int, int, bool] | None, num_chunks: int) -> int:
     """Unroll factor of a chunked forward row's two sweeps: all its chunks where its lane-summed
-    chunks say so (FWD_LANE_CHUNKS), else 1 (a loop)."""
-    lane = fwd_lane_chunk(plain, block_n, num_chunks)
+    chunks (fwd_lane_chunk) say so, else 1 (a loop)."""
     return num_chunks if lane and lane[2] else 1
 
 
@@ -165,17 +168,13 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int
     padded block and its chunks (block_config), the tail where that block is held as two
     (fwd_block_tail: its first block is then BLOCK_N // 2; a tile of several rows keeps one
     block) and the rows per program (fwd_rows_per_program); or the lane-summed chunks of a
-    16-bit norm of x alone (FWD_LANE_CHUNKS): by its padded width where the row is one block,
-    by its own width also where it would be two."""
+    16-bit norm of x alone (fwd_lane_chunk)."""
+    lane = fwd_lane_chunk(n_cols, elem_bytes, plain)
+    if lane:
+        return lane[0], cdiv(n_cols, lane[0]), 0, 1
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
     tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
-    if elem_bytes == 2 and num_chunks == 1 and plain:
-        lane = FWD_LANE_CHUNKS.get((plain, n_cols)) or (
-            None if tail else FWD_LANE_CHUNKS.get((plain, block_n))
-        )
-        if lane:
-            return lane[0], cdiv(n_cols, lane[0]), 0, 1
     return block_n, num_chunks, tail, rows
 
 
@@ -189,9 +188,12 @@ FWD_CHUNK_EVICT = ("evict_last", "evict_first")
 FWD_CHUNK_LANE_STATS = True
 
 
-def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0) -> int:
+def fwd_num_warps(
+    block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0, lane=None
+) -> int:
     """Warps per forward program (one row each). ``plain`` is "ln" or "rms" for a norm of x
-    alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer.
+    alone (no residual, x1 or dropout), which moves half the bytes per row and wants fewer;
+    ``lane``, its lane-summed chunks (fwd_lane_chunk), carries its own.
 
     Sweeps of 2026-11-22 (H200, bf16; add+RMSNorm and dropout+add+LayerNorm prenorm): 1 warp at
     N=256 (4 warps: -7 points), 4 at 1K (16 warps: 63% of copy vs 99.8%), 8 at 4K-8K (dropout+LN
@@ -206,9 +208,10 @@ def fwd_num_warps(block_n: int, num_chunks: int = 1, plain: str = "", tail: int 
     at 16384 (12288: 94% vs 65% with 8; RMSNorm 98% vs 92%), plain LayerNorm 8 there (90% vs
     74% with 16).
     """
-    if num_chunks > 1:  # lane-summed chunks of a norm of x alone: fwd_block_layout
-        lane = fwd_lane_chunk(plain, block_n, num_chunks)
-        return lane[1] if lane else 32
+    if lane:  # lane-summed chunks of a norm of x alone (fwd_lane_chunk): their own warps
+        return lane[1]
+    if num_chunks > 1:
+        return 32
     if tail:  # two blocks (block_tail), by the padded width: the sweeps of TAIL_BLOCKS
         return 8 if plain == "ln" and block_n == 16384 else {16384: 16}.get(block_n, 4)
     if fwd_rows_per_program(block_n, num_chunks, plain) > 1:  # 1 warp a row (NOTES #14, #26)

@@ -159,7 +159,7 @@ def _fwd_run(
         plain != "" and rowscale is None and layerscale is None,
     )  # fmt: skip
     block_n, split = config.fwd_split(n, elem_bytes, dev, x1 is not None or dropout_p > 0.0)
-    ws = None
+    ws, lane = None, None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
         num_chunks, rows = 1, 1
         grid = (m * split,)
@@ -169,9 +169,10 @@ def _fwd_run(
         num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
     else:
         block_n, num_chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
+        lane = config.fwd_lane_chunk(n, elem_bytes, plain)  # lane-summed chunks, or None
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
-        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail)
+        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
     _FWD(
         grid, dev,
@@ -206,7 +207,7 @@ def _fwd_run(
             EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
             EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
             LANE_STATS=num_chunks > 1 and config.FWD_CHUNK_LANE_STATS,
-            UNROLL=config.fwd_chunk_unroll(plain, block_n, num_chunks),
+            UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         ),
         num_warps,
         on_miss=on_miss,

@@ -248,7 +248,8 @@ def test_lane_chunked_rows_unrolled(arg):
         with patched_config(FWD_LANE_CHUNKS={(plain, 256): (chunk, 2, unroll)}):
             block_n, chunks, _, _ = config.fwd_block_layout(n, 2, plain)
             assert (block_n, chunks) == (chunk, -(-n // chunk)), "not lane-chunked"
-            assert config.fwd_chunk_unroll(plain, block_n, chunks) == (chunks if unroll else 1)
+            lane = config.fwd_lane_chunk(n, 2, plain)
+            assert config.fwd_chunk_unroll(lane, chunks) == (chunks if unroll else 1)
             t = make_inputs(case)
             if unroll:
                 outs = check_case(case, "fn", t=t)[0]

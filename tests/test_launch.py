@@ -204,25 +204,27 @@ def test_hold_rule():
             config.FWD_HOLD = saved
     finally:
         config.split_rows_ok, config.sm_count = old
+
     # Lane-summed chunks: (BLOCK_N, NUM_CHUNKS, TAIL_N, rows), warps, unroll factor.
-    assert config.fwd_block_layout(32768, 2, "ln") == (8192, 4, 0, 1)
-    assert config.fwd_num_warps(8192, 4, "ln") == 32
-    assert config.fwd_chunk_unroll("ln", 8192, 4) == 4
-    assert config.fwd_block_layout(32768, 2, "rms") == (8192, 4, 0, 1)
-    assert config.fwd_chunk_unroll("rms", 8192, 4) == 1
-    assert config.fwd_block_layout(16000, 2, "ln") == (4096, 4, 0, 1)
-    assert config.fwd_num_warps(4096, 4, "ln") == 16
-    assert config.fwd_block_layout(32768, 4, "rms")[:2] == (16384, 2)  # fp32: no lane chunks
-    assert config.fwd_block_layout(32768, 2, "")[0] == 32768  # a stream: no lane chunks
-    assert config.fwd_chunk_unroll("", 16384, 4) == 1  # the fallback chunked rows loop
-    assert config.fwd_block_layout(4096, 2, "rms") == (2048, 2, 0, 1)
-    assert config.fwd_num_warps(2048, 2, "rms") == 8
-    assert config.fwd_block_layout(12288, 2, "rms") == (4096, 3, 0, 1)  # over two blocks
-    assert config.fwd_num_warps(4096, 3, "rms") == 16
-    assert config.fwd_block_layout(10240, 2, "rms")[2] > 0  # two blocks
-    assert config.fwd_block_layout(12288, 2, "ln")[2] > 0
-    assert config.fwd_block_layout(20480, 2, "ln") == (8192, 3, 0, 1)
-    assert config.fwd_chunk_unroll("ln", 8192, 3) == 3
+    def lane_launch(n, plain, elem_bytes=2):
+        block_n, chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
+        lane = config.fwd_lane_chunk(n, elem_bytes, plain)
+        warps = config.fwd_num_warps(block_n, chunks, plain, tail, lane)
+        return (block_n, chunks, tail, rows), warps, config.fwd_chunk_unroll(lane, chunks)
+
+    assert lane_launch(32768, "ln") == ((8192, 4, 0, 1), 32, 4)
+    assert lane_launch(32768, "rms") == ((8192, 4, 0, 1), 32, 1)
+    assert lane_launch(16000, "ln") == ((4096, 4, 0, 1), 16, 1)
+    assert lane_launch(20480, "ln") == ((8192, 3, 0, 1), 32, 3)
+    assert lane_launch(4096, "rms") == ((2048, 2, 0, 1), 8, 1)
+    assert lane_launch(12288, "rms") == ((4096, 3, 0, 1), 16, 1)  # its own width, over two blocks
+    assert lane_launch(10240, "rms")[0][2] > 0  # two blocks
+    assert lane_launch(12288, "ln")[0][2] > 0
+    assert lane_launch(32768, "rms", 4)[0][:2] == (16384, 2)  # fp32: no lane chunks
+    assert lane_launch(32768, "")[0][0] == 32768  # a stream: no lane chunks
+    assert config.fwd_lane_chunk(32768, 2, "") is None
+    assert config.fwd_num_warps(16384, 4, "") == 32  # the fallback chunked rows: 32, a loop
+    assert config.fwd_chunk_unroll(None, 4) == 1
 
 
 def test_register_caps_only_where_measured():
