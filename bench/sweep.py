@@ -222,11 +222,6 @@ def main():
         help="auto, on, off (comma-separated): lane-summed chunks given by --fwd-lane-chunk "
         "unrolled or not (auto: on)",
     )
-    ap.add_argument(
-        "--fwd-lane-stats",
-        default="on",
-        help="on, off (comma-separated): config.FWD_CHUNK_LANE_STATS",
-    )
     ap.add_argument("--weight-dtype", default="fp32", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--bwd-warps", default="auto")
     ap.add_argument("--bwd-warps-per-sm", default=str(config.BWD_WARPS_PER_SM))
@@ -281,14 +276,13 @@ def main():
     rows = []
     evict = config.FWD_CHUNK_EVICT
     lane_chunks = dict(config.FWD_LANE_CHUNKS)
-    for n, workload, mode, tail, hold, ev, lanes, lchunk, unroll in itertools.product(
+    for n, workload, mode, tail, hold, ev, lchunk, unroll in itertools.product(
         ints(args.ns),
         args.workloads.split(","),
         args.modes.split(","),
         args.tail.split(","),
         args.fwd_hold.split(","),
         args.fwd_evict.split(","),
-        args.fwd_lane_stats.split(","),
         [{"auto": None, "off": -1}.get(t, t) for t in args.fwd_lane_chunk.split(",")],
         args.fwd_unroll.split(","),
     ):
@@ -315,7 +309,6 @@ def main():
             config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
-            config.FWD_CHUNK_LANE_STATS = lanes == "on"
             # An explicit chunk size is keyed by the width itself, which wins over two blocks
             # and over the padded width's entry (config.fwd_block_layout); "off" drops both.
             lchunk = int(lchunk) if lchunk is not None else None
@@ -363,8 +356,7 @@ def main():
                 bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
                 nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
-                    bn, nc, tl_, fr_ = config.fwd_block_layout(n, eb, plain)
-                    lane = config.fwd_lane_chunk(n, eb, plain)
+                    bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)
                 held = config.fwd_hold(kind, split)
                 warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
@@ -372,7 +364,7 @@ def main():
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
                 desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
-                        f"tail={tl_} hold={held} evict={ev} lanes={lanes} "
+                        f"tail={tl_} hold={held} evict={ev} "
                         f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
@@ -401,7 +393,6 @@ def main():
                 config.TAIL_BLOCKS = "measured"
                 config.FWD_HOLD = "measured"
                 config.FWD_CHUNK_EVICT = evict
-                config.FWD_CHUNK_LANE_STATS = True
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,

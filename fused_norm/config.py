@@ -112,7 +112,7 @@ def bwd_block_tail(
 
 # A norm of x alone whose 16-bit row would be one block of the widths below runs as a chunked
 # two-sweep row instead (the second sweep re-reads the row from L2, under eviction hints; the
-# statistics summed per column lane: FWD_CHUNK_EVICT, FWD_CHUNK_LANE_STATS), as torch.compile's
+# statistics summed per column lane; eviction hints: FWD_CHUNK_EVICT), as torch.compile's
 # looped reductions do: (columns per chunk, warps, whether the two sweeps are unrolled so that
 # every chunk's loads can be in flight before the first is used; Triton's loop_unroll_factor).
 # Keys are padded widths (a row held as two blocks keeps them: fwd_block_tail) or, where the
@@ -163,29 +163,25 @@ def fwd_chunk_unroll(lane: tuple[int, int, bool] | None, num_chunks: int) -> int
     return num_chunks if lane and lane[2] else 1
 
 
-def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, int, int]:
-    """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program) of a forward row that is not split: the
-    padded block and its chunks (block_config), the tail where that block is held as two
+def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple:
+    """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program, lane) of a forward row that is not split:
+    the padded block and its chunks (block_config), the tail where that block is held as two
     (fwd_block_tail: its first block is then BLOCK_N // 2; a tile of several rows keeps one
-    block) and the rows per program (fwd_rows_per_program); or the lane-summed chunks of a
-    16-bit norm of x alone (fwd_lane_chunk)."""
+    block) and the rows per program (fwd_rows_per_program), lane None; or the lane-summed
+    chunks of a 16-bit norm of x alone, lane their (chunk, warps, unrolled) (fwd_lane_chunk)."""
     lane = fwd_lane_chunk(n_cols, elem_bytes, plain)
     if lane:
-        return lane[0], cdiv(n_cols, lane[0]), 0, 1
+        return lane[0], cdiv(n_cols, lane[0]), 0, 1, lane
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
     tail = fwd_block_tail(n_cols, block_n, num_chunks)[1] if rows == 1 else 0
-    return block_n, num_chunks, tail, rows
+    return block_n, num_chunks, tail, rows, None
 
 
 # L2 eviction policies of a chunked forward row's two sweeps (Triton's eviction_policy): the
 # first sweep's loads kept for the second ("evict_last"), the second's let go ("evict_first"),
 # as torch.compile's looped reductions do.
 FWD_CHUNK_EVICT = ("evict_last", "evict_first")
-# A chunked forward row's statistics summed per column lane across its chunks and reduced once
-# (LayerNorm: sum and sum of squares, then the exact second moment in one more sweep where
-# that cancels, as in one block), instead of a Chan merge of each chunk's (mean, M2).
-FWD_CHUNK_LANE_STATS = True
 
 
 def fwd_num_warps(

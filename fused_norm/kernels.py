@@ -15,9 +15,10 @@ Design notes
   be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N`` columns, instead of one
   padded block (``config.block_tail``); the backward likewise.
   Rows wider than one block (``NUM_CHUNKS > 1``) take two sweeps over the row: the first combines
-  the inputs chunk by chunk, stores the residual stream and merges per-chunk (mean, M2) pairs with
-  Chan's formula; the second re-reads the residual stream (or re-forms ``s`` from the inputs when
-  it is not stored) and normalises. The first sweep's loads ask L2 to keep the row, the
+  the inputs chunk by chunk, stores the residual stream and sums ``s`` and ``s^2`` per column
+  lane, reduced once per row (LayerNorm's exact M2 takes one more sweep where that cancels);
+  the second re-reads the residual stream (or re-forms ``s`` from the inputs when it is not
+  stored) and normalises. The first sweep's loads ask L2 to keep the row, the
   second's to let it go (config.FWD_CHUNK_EVICT).
 * Rows wider than 64 KB on a CUDA GPU are instead split over several programs of 4K 16-bit
   (2K fp32) columns each (``SPLIT > 1``, ``_fwd_split_row``): each part stays in registers,
@@ -589,7 +590,6 @@ def _fused_norm_fwd_kernel(
     HOLD: tl.constexpr,      # split rows: s equals a 16-bit tensor, held instead (config.fwd_hold)
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
-    LANE_STATS: tl.constexpr,  # chunked rows: statistics summed per column lane (see below)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
@@ -624,11 +624,10 @@ def _fused_norm_fwd_kernel(
             )  # fmt: skip
     else:
         row = row0
-        # Sweep 1: form s chunk by chunk and store it; either merge (count, mean, M2) per chunk
-        # (Chan), or with LANE_STATS add s and s^2 per column lane across the chunks and reduce
-        # once at the end (one exchange between warps per row instead of two per chunk).
+        # Sweep 1: form s chunk by chunk and store it; add s and s^2 per column lane across the
+        # chunks and reduce once at the end (one exchange between warps per row, not two per
+        # chunk as a Chan merge of each chunk's (mean, M2) takes; bench/NOTES.md #39).
         mean = 0.0
-        m2 = 0.0
         lane_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
         lane_squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for c in tl.range(0, NUM_CHUNKS, loop_unroll_factor=UNROLL):
@@ -643,40 +642,33 @@ def _fused_norm_fwd_kernel(
             if STORE_RESIDUAL_OUT:
                 tl.store(RESIDUAL_OUT + row * stride_res_out_row + ccols, s, mask=col_mask)
                 s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see above)
-            if LANE_STATS:
-                lane_squares += s * s
-                if not IS_RMS_NORM:
-                    lane_sum += s
-            elif IS_RMS_NORM:
-                m2 += tl.sum(s * s, axis=0)
+            lane_squares += s * s
+            if not IS_RMS_NORM:
+                lane_sum += s
+        if IS_RMS_NORM:
+            m2 = tl.sum(lane_squares, axis=0)
+        else:
+            if JOINT_SUMS:
+                total, squares = tl.reduce((lane_sum, lane_squares), 0, _add_pairs)
             else:
-                n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-                mean, m2 = _chan_merge(mean, m2, s, col_mask, c * BLOCK_N * 1.0, n_c)
-        if LANE_STATS:
-            if IS_RMS_NORM:
-                m2 = tl.sum(lane_squares, axis=0)
-            else:
-                if JOINT_SUMS:
-                    total, squares = tl.reduce((lane_sum, lane_squares), 0, _add_pairs)
-                else:
-                    total = tl.sum(lane_sum, axis=0)
-                    squares = tl.sum(lane_squares, axis=0)
-                mean = total / N
-                m2 = squares - total * mean
-                if _cancels(squares, m2):  # the exact second moment: one more sweep
-                    m2 = 0.0
-                    for c in range(NUM_CHUNKS):
-                        ccols = c * BLOCK_N + cols
-                        col_mask = ccols < N
-                        s = _chunk_sum(
-                            X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
-                            RESIDUAL_OUT, row, c * BLOCK_N, ccols, col_mask, M, N,
-                            stride_x_row, stride_res_row, stride_x1_row, stride_res_out_row,
-                            dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-                            HAS_LAYERSCALE, HAS_DROPOUT, STORE_RESIDUAL_OUT, NO_EVICT,
-                        )  # fmt: skip
-                        d = tl.where(col_mask, s - mean, 0.0)
-                        m2 += tl.sum(d * d, axis=0)
+                total = tl.sum(lane_sum, axis=0)
+                squares = tl.sum(lane_squares, axis=0)
+            mean = total / N
+            m2 = squares - total * mean
+            if _cancels(squares, m2):  # the exact second moment: one more sweep
+                m2 = 0.0
+                for c in range(NUM_CHUNKS):
+                    ccols = c * BLOCK_N + cols
+                    col_mask = ccols < N
+                    s = _chunk_sum(
+                        X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
+                        RESIDUAL_OUT, row, c * BLOCK_N, ccols, col_mask, M, N,
+                        stride_x_row, stride_res_row, stride_x1_row, stride_res_out_row,
+                        dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
+                        HAS_LAYERSCALE, HAS_DROPOUT, STORE_RESIDUAL_OUT, NO_EVICT,
+                    )  # fmt: skip
+                    d = tl.where(col_mask, s - mean, 0.0)
+                    m2 += tl.sum(d * d, axis=0)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         tl.store(RSTD + row, rstd)
         if not IS_RMS_NORM:

@@ -168,8 +168,7 @@ def _fwd_run(
         hold = config.fwd_hold(kind, split)
         num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
     else:
-        block_n, num_chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
-        lane = config.fwd_lane_chunk(n, elem_bytes, plain)  # lane-summed chunks, or None
+        block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         grid = (config.cdiv(m, rows),)
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
@@ -206,7 +205,6 @@ def _fwd_run(
             HOLD=hold,
             EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
             EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
-            LANE_STATS=num_chunks > 1 and config.FWD_CHUNK_LANE_STATS,
             UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         ),
         num_warps,

@@ -246,9 +246,8 @@ def test_lane_chunked_rows_unrolled(arg):
     runs = []
     for unroll in (True, False):
         with patched_config(FWD_LANE_CHUNKS={(plain, 256): (chunk, 2, unroll)}):
-            block_n, chunks, _, _ = config.fwd_block_layout(n, 2, plain)
+            block_n, chunks, _, _, lane = config.fwd_block_layout(n, 2, plain)
             assert (block_n, chunks) == (chunk, -(-n // chunk)), "not lane-chunked"
-            lane = config.fwd_lane_chunk(n, 2, plain)
             assert config.fwd_chunk_unroll(lane, chunks) == (chunks if unroll else 1)
             t = make_inputs(case)
             if unroll:

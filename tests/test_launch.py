@@ -207,8 +207,7 @@ def test_hold_rule():
 
     # Lane-summed chunks: (BLOCK_N, NUM_CHUNKS, TAIL_N, rows), warps, unroll factor.
     def lane_launch(n, plain, elem_bytes=2):
-        block_n, chunks, tail, rows = config.fwd_block_layout(n, elem_bytes, plain)
-        lane = config.fwd_lane_chunk(n, elem_bytes, plain)
+        block_n, chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         warps = config.fwd_num_warps(block_n, chunks, plain, tail, lane)
         return (block_n, chunks, tail, rows), warps, config.fwd_chunk_unroll(lane, chunks)
 
