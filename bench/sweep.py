@@ -392,6 +392,7 @@ def main():
                  config.MAX_BLOCK_BYTES) = orig  # fmt: skip
                 config.TAIL_BLOCKS = "measured"
                 config.FWD_HOLD = "measured"
+                ops._RESIDENT.clear()  # the resident grid of a variant (stages, caps) is its own
                 config.FWD_CHUNK_EVICT = evict
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)

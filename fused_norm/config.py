@@ -544,10 +544,44 @@ def bwd_layout(
     return block_n, num_chunks, tail, bwd_num_warps(block_n, partials, dropout, tail, plain)
 
 
-def bwd_num_programs(n_rows: int, device: torch.device, num_warps: int, num_chunks: int) -> int:
+# The backward's persistent grid holds no more programs than fit on the device at once, as the
+# compiled kernel's registers and shared memory allow (ops asks the driver's occupancy
+# calculator, Launcher.resident). Launched past that, programs ran in further waves, the last
+# often partial: LayerNorm at 2048 columns holds 96 registers per thread, so 5 programs of 4
+# warps fit per SM, not the 8 that BWD_WARPS_PER_SM asked for. Graph-replay sweep of
+# 2026-11-24 (H200, bf16, bench/NOTES.md #43), one wave against the old grid: LayerNorm 2K
+# 74 -> 82% of copy, 5120 81 -> 88%, the x1 path 256 68 -> 85%, 4K 83 -> 91%, RMSNorm 8K 88
+# -> 92%; rows wider than a block +0.5 to +2. Where whole waves of the old grid ran faster,
+# bwd_whole_waves keeps them.
+BWD_RESIDENT_GRID = True
+
+
+def bwd_whole_waves(
+    block_n: int, num_chunks: int, tail: int, partials: int, dropout: bool, plain: bool
+) -> bool:
+    """Keep the BWD_WARPS_PER_SM grid (whole waves of resident programs) instead of one wave
+    (BWD_RESIDENT_GRID), where that measured faster in the same sweep (two runs each): RMSNorm
+    of x alone at 4096 columns (89.0 vs 84.0% of copy: 2 waves of 4 programs per SM),
+    dropout + add + LayerNorm in one block of 512-2048 columns (512: 88.8 vs 85.8%, 2048: 88.0
+    vs 86.0%, 1024 even), LayerNorm at 12288 as 8192 + 4096 (62.5 vs 60.1%)."""
+    if num_chunks > 1:
+        return False
+    if dropout and partials == 2 and not tail and 512 <= block_n <= 2048:
+        return True
+    if plain and partials == 1 and block_n == 4096 and not tail:
+        return True
+    return tail > 0 and block_n == 16384 and partials == 2
+
+
+def bwd_num_programs(
+    n_rows: int, device: torch.device, num_warps: int, num_chunks: int, resident: int = 0
+) -> int:
     """Row blocks of the backward's persistent grid (each has ``num_chunks`` column programs):
-    BWD_WARPS_PER_SM worth of programs in all, at most one row block per row."""
+    BWD_WARPS_PER_SM worth of programs in all, but no more per SM than ``resident`` (the
+    programs that fit on one at once; 0: unknown), at most one row block per row."""
     per_sm = max(BWD_WARPS_PER_SM // num_warps, 1)
+    if resident:
+        per_sm = min(per_sm, resident)
     return max(min(sm_count(device) * per_sm // num_chunks, n_rows), 1)
 
 

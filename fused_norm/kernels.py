@@ -892,7 +892,10 @@ def _bwd_row_tiles(
             tl.sum(dls, axis=0))  # fmt: skip
 
 
-@triton.jit
+# M and the two integers that follow from the program count are not specialised on, so that one
+# compiled kernel serves every grid: ops asks that kernel how many programs fit on a
+# multiprocessor (Launcher.resident) before it sizes the grid.
+@triton.jit(do_not_specialize=["stride_part", "M", "rows_per_program"])
 def _fused_norm_bwd_kernel(
     S,             # (M, N) the normalised pre-norm sum (residual stream, or x itself)
     W,             # (N,) weight

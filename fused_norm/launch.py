@@ -20,6 +20,7 @@ the direct path off.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import inspect
 import os
 import threading
@@ -54,23 +55,24 @@ FAST_LAUNCH = (
 )
 
 
-def arg_key(args) -> tuple:
+def arg_key(args, loose=()) -> tuple:
     """What Triton specialises a compiled kernel on, per runtime argument (finer where cheap)."""
-    return key_and_pointers(args)[0]
+    return key_and_pointers(args, loose)[0]
 
 
-def key_and_pointers(args) -> tuple:
+def key_and_pointers(args, loose=()) -> tuple:
     """(arg_key, the arguments with each tensor replaced by its address): Triton's launcher
     takes an int as a pointer as it is, where for a tensor it calls ``data_ptr()`` and asks
     the driver whether the address is a device pointer (check_args has put every tensor on
-    the launch's device)."""
+    the launch's device). ``loose[i]`` is true for an integer parameter the kernel does not
+    specialise on (``do_not_specialize``): only its range (the type) enters the key."""
     key, launch_args = [], []
-    for a in args:
+    for i, a in enumerate(args):
         if a is None:
             key.append(None)
         elif type(a) is int:
             # Triton: == 1 becomes a constant, % 16 == 0 a divisibility hint, range the type.
-            key.append((a == 1, a & 15, a >> 31))
+            key.append(("n", a >> 31) if i < len(loose) and loose[i] else (a == 1, a & 15, a >> 31))
         elif type(a) is float:
             key.append("f")  # not 0.0: that would equal the key False of a bool
         elif type(a) is bool:
@@ -132,16 +134,42 @@ def _hooked() -> bool:
     )
 
 
-def _key(device, num_warps, num_stages, constexpr_values, args, maxnreg) -> tuple:
+def _key(device, num_warps, num_stages, constexpr_values, args, maxnreg, loose=()) -> tuple:
     """The cache key of one compiled kernel: a launch and a warm-up that will use the same
     binary must build the same key (the tests read its entries by position)."""
-    return _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, maxnreg)[0]
+    key, _ = _key_and_pointers(
+        device, num_warps, num_stages, constexpr_values, args, maxnreg, loose
+    )
+    return key
 
 
-def _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, maxnreg):
+def _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, maxnreg, loose=()):
     """(_key, the launch arguments with tensors as addresses: key_and_pointers)."""
-    akey, launch_args = key_and_pointers(args)
+    akey, launch_args = key_and_pointers(args, loose)
     return (device.index, num_warps, num_stages, constexpr_values, akey, maxnreg), launch_args
+
+
+_LIBCUDA = []
+
+
+def max_active_blocks(function: int, threads: int, shared: int) -> int:
+    """Blocks of a loaded CUDA kernel (``function``: its CUfunction handle) of ``threads``
+    threads and ``shared`` bytes of dynamic shared memory that fit on one multiprocessor at
+    once, from the driver's occupancy calculator; 0 where it cannot say (no libcuda: ROCm)."""
+    if not _LIBCUDA:
+        try:
+            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+        except OSError:
+            _LIBCUDA.append(None)
+    lib = _LIBCUDA[0]
+    if lib is None or torch.version.hip:
+        return 0
+    blocks = ctypes.c_int(0)
+    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(function), ctypes.c_int(threads),
+        ctypes.c_size_t(shared),
+    )  # fmt: skip
+    return blocks.value if err == 0 else 0
 
 
 def _constexpr_names(kernel, params) -> list:
@@ -169,8 +197,11 @@ class Launcher:
         params = getattr(kernel, "params", None)
         self.fast = FAST_LAUNCH and params is not None and hasattr(kernel, "device_caches")
         self.constexpr_names = _constexpr_names(kernel, params)
+        # Integer parameters the kernel does not specialise on (do_not_specialize), in order.
+        self.loose = tuple(p.do_not_specialize for p in params or () if not p.is_constexpr)
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
+        self.resident_cache: dict = {}  # key -> programs per multiprocessor (resident())
 
     def __call__(
         self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None, maxnreg=None
@@ -184,7 +215,9 @@ class Launcher:
                 grid, device, args, constexprs, _options(num_warps, num_stages, maxnreg)
             )
         values = tuple(constexprs.values())
-        key, pointers = _key_and_pointers(device, num_warps, num_stages, values, args, maxnreg)
+        key, pointers = _key_and_pointers(
+            device, num_warps, num_stages, values, args, maxnreg, self.loose
+        )
         hit = self.cache.get(key)
         if hit is None:
             if on_miss is not None:
@@ -217,11 +250,40 @@ class Launcher:
         arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
         if not (self.fast and device.type == "cuda"):
             return
-        key = _key(device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg)
+        key = _key(
+            device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg, self.loose
+        )
         if key in self.cache or key in self.pending:
             return
         options = _options(num_warps, num_stages, maxnreg)
         self.pending[key] = _warm_pool().submit(self._warm, grid, device, args, constexprs, options)
+
+    def resident(self, device, args, constexprs, num_warps, num_stages=None, maxnreg=None) -> int:
+        """Programs of the kernel these arguments (tensors or :class:`Stand`-ins) select that
+        fit on one multiprocessor at once (its registers, shared memory and warps), compiling
+        it if need be; 0 where that is unknown (not a CUDA device, the interpreter, no
+        occupancy calculator). Raises Triton's OutOfResources where it does not fit at all."""
+        if device.type != "cuda" or not hasattr(self.kernel, "warmup"):
+            return 0
+        key = _key(
+            device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg, self.loose
+        )
+        hit = self.resident_cache.get(key)
+        if hit is not None:
+            return hit
+        for pending in list(self.pending.values()):  # a warm-up compile may be this kernel
+            pending.result()
+        options = _options(num_warps, num_stages, maxnreg)
+        with device_guard(device):
+            compiled = self.kernel.warmup(*args, grid=(1,), **constexprs, **options)
+            if hasattr(compiled, "result"):  # an asynchronous compile
+                compiled = compiled.result()
+            compiled.run  # noqa: B018 - loads the kernel (OutOfResources if it cannot run)
+            hit = max_active_blocks(
+                compiled.function, 32 * num_warps, compiled.metadata.shared
+            )  # fmt: skip
+        self.resident_cache[key] = hit
+        return hit
 
     def _warm(self, grid, device, args, constexprs, options):
         try:

@@ -295,6 +295,103 @@ def _bwd_launch(
     )  # fmt: skip
 
 
+def _bwd_plan(
+    dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+    has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
+    partials,
+):  # fmt: skip
+    """(constexprs, stage_key, maxnreg) of the backward kernel: its flags with the pipeline's
+    stage count (ROW_STAGES, last), the key under which a stage count that did not fit is
+    remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins."""
+    row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
+    tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
+    # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
+    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials)
+    stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
+    flags = dict(
+        BLOCK_N=block_n // 2 if tail else block_n,
+        TAIL_N=tail,
+        NUM_CHUNKS=num_chunks,
+        IS_RMS_NORM=is_rms_norm,
+        HAS_BIAS=has_bias,
+        HAS_W1=weight1 is not None,
+        HAS_B1=has_b1,
+        HAS_X1=dx1 is not None,
+        HAS_DRESIDUAL_OUT=dresidual_out is not None,
+        STORE_DRESIDUAL=dresidual is not None,
+        HAS_ROWSCALE=rowscale is not None,
+        HAS_LAYERSCALE=layerscale is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        TILE_ROWS=tile_rows,
+        ROW_STAGES=stages,
+    )
+    return flags, key, config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
+
+
+def _bwd_args(
+    s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
+    dx, dx1, dresidual, parts, c12, dropout_p, programs,
+):  # fmt: skip
+    """The backward kernel's runtime arguments, for a grid of ``programs`` row blocks."""
+    m, n = s.shape
+    return (
+        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+        seeds, dx, dx1, dresidual, parts, c12,
+        s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
+        dx.stride(0), _stride0(dx1), _stride0(dresidual), programs * n,
+        m, n, dropout_p, config.cdiv(m, programs),
+    )  # fmt: skip
+
+
+# (device, dtypes, N, dropout, opts) -> _bwd_resident's answer.
+_RESIDENT: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _bwd_resident(dev, dtypes, n, dropout, opts) -> int:
+    """Programs of the backward kernel that fit on one multiprocessor at once
+    (Launcher.resident, which compiles it), 0 where unknown. ``dtypes`` are those of the
+    kernel's tensor arguments in order (None where absent), ``opts`` the rest of what
+    selects the kernel: (has_bias, has_b1, is_rms_norm, zero_centered_weight, block_n,
+    num_chunks, tail, partials, warps). The kernel is compiled for Stand-ins (16-byte aligned,
+    rows of ``n`` elements apart), not specialised on the row count or the grid (kernels.py).
+    Where the pipelined kernel does not fit at all, its stage count falls to 1, remembered as
+    a launch that did not fit would remember it. A constant to torch.compile."""
+    cache_key = (dev, dtypes, n, dropout, opts)
+    hit = _RESIDENT.get(cache_key)
+    if hit is None:
+        hit = _RESIDENT[cache_key] = _bwd_compile_resident(dev, dtypes, n, dropout, opts)
+    return hit
+
+
+def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
+    """_bwd_resident's answer, compiling the kernel if need be."""
+    dropout_p = 0.5 if dropout else 0.0  # only whether there is dropout selects the kernel
+    (s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds, dx, dx1,
+     dresidual, parts, c12) = (
+        None if d is None else Stand(d, (1,) if i in (3, 4, 10, 11) else (1, n))
+        for i, d in enumerate(dtypes)
+    )  # fmt: skip
+    has_bias, has_b1, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps = opts
+    for _ in range(2):
+        flags, key, maxnreg = _bwd_plan(
+            dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+            has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials,
+        )  # fmt: skip
+        args = _bwd_args(
+            s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds,
+            dx, dx1, dresidual, parts, c12, dropout_p, 1,
+        )  # fmt: skip
+        try:
+            return _BWD.resident(dev, args, flags, warps, maxnreg=maxnreg)
+        except OutOfResources:
+            if flags["ROW_STAGES"] == 1:
+                raise
+            _STAGES_THAT_FIT[key] = 1
+    return 0
+
+
 def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
     dx, dx1, dresidual, parts, c12, has_bias, has_b1, dropout_p, is_rms_norm,
@@ -309,7 +406,6 @@ def _bwd_run(
     if m == 0:
         return
     partials, programs = parts.shape[0], parts.shape[1]
-    row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     dev = s.device
     if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
         sums_block, sums_chunks = config.block_config(
@@ -328,45 +424,25 @@ def _bwd_run(
             ),
             config.BWD_SUMS_WARPS,
         )  # fmt: skip
-    tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
-    # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
-    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials)
-    stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
-    args = (
-        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-        seeds, dx, dx1, dresidual, parts, c12,
-        s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
-        dx.stride(0), _stride0(dx1), _stride0(dresidual), programs * n,
-        m, n, dropout_p, config.cdiv(m, programs),
+    flags, key, maxnreg = _bwd_plan(
+        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+        has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
+        tail, partials,
     )  # fmt: skip
-    flags = dict(
-        BLOCK_N=block_n // 2 if tail else block_n,
-        TAIL_N=tail,
-        NUM_CHUNKS=num_chunks,
-        IS_RMS_NORM=is_rms_norm,
-        HAS_BIAS=has_bias,
-        HAS_W1=weight1 is not None,
-        HAS_B1=has_b1,
-        HAS_X1=dx1 is not None,
-        HAS_DRESIDUAL_OUT=dresidual_out is not None,
-        STORE_DRESIDUAL=dresidual is not None,
-        HAS_ROWSCALE=rowscale is not None,
-        HAS_LAYERSCALE=layerscale is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
-        ZERO_CENTERED_WEIGHT=zero_centered_weight,
-        TILE_ROWS=tile_rows,
-    )
+    args = _bwd_args(
+        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+        seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
+    )  # fmt: skip
     grid = (programs, num_chunks)
-    maxnreg = config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
     if warm:
-        _BWD.warm(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
+        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
         return
     try:
-        _BWD(grid, dev, args, {**flags, "ROW_STAGES": stages}, warps, maxnreg=maxnreg)
+        _BWD(grid, dev, args, flags, warps, maxnreg=maxnreg)
     except OutOfResources:
         # The pipeline's buffers did not fit this device's shared memory (config sizes them
         # from an estimate): run unpipelined, and remember it for this configuration.
-        if stages == 1:
+        if flags["ROW_STAGES"] == 1:
             raise
         _STAGES_THAT_FIT[key] = 1
         _BWD(grid, dev, args, {**flags, "ROW_STAGES": 1}, warps, maxnreg=maxnreg)
@@ -427,12 +503,24 @@ def fused_norm_bwd(
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
     block_n, num_chunks, tail, warps = config.bwd_layout(n, elem_bytes, partials, dropout, plain)
-    programs = config.bwd_num_programs(m, dev, warps, num_chunks)
+    c12 = empty((m, 2), torch.float32) if num_chunks > 1 else None
+    resident = 0
+    if (not warm and m > 0 and dev.type == "cuda" and config.BWD_RESIDENT_GRID
+            and not config.bwd_whole_waves(block_n, num_chunks, tail, partials, dropout, plain)):  # fmt: skip
+        # The persistent grid holds only programs that run at once (bwd_num_programs). A
+        # warm-up (from the forward) does not wait for this compile: its kernel serves any grid.
+        tensors = (s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale,
+                   rowscale, seeds, dx, dx1, dresidual, weight, c12)  # fmt: skip
+        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        dtypes = dtypes[:15] + (torch.float32,) + dtypes[16:]  # parts
+        opts = (bias is not None, bias1 is not None, bool(is_rms_norm), bool(zero_centered_weight),
+                block_n, num_chunks, tail, partials, warps)  # fmt: skip
+        resident = _bwd_resident(dev, dtypes, n, dropout, opts)
+    programs = config.bwd_num_programs(m, dev, warps, num_chunks, resident)
     if m == 0:  # nothing launches: the partials must already hold the (zero) sums
         parts = torch.zeros((partials, programs, n), dtype=torch.float32, device=dev)
     else:  # every program writes its block of each slab once
         parts = empty((partials, programs, n), torch.float32)
-    c12 = empty((m, 2), torch.float32) if num_chunks > 1 else None
     args = (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, parts, c12, bias is not None, bias1 is not None, float(dropout_p),

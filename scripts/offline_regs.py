@@ -7,8 +7,11 @@ without a GPU: Triton's compiler and the ptxas / cuobjdump shipped in its wheel 
 Workloads: ln, rms, add_rms, drop_add_ln, parallel (as in bench/sweep.py). It runs
 ``ops.fused_norm_fwd`` / ``fused_norm_bwd`` on small CPU tensors with the launchers replaced by
 a compiler, and config told the device is a 132-SM NVIDIA GPU, so the launch choices are the
-GPU's; for each kernel it would launch it prints warps, registers, stack (spills) and what
-registers allow per SM. Registers differ between Triton versions (their ptxas too): read them
+GPU's; for each kernel it would launch it prints warps, registers, stack (spills), shared
+memory, the programs per SM that registers, shared memory and warps allow, and the grid. The
+rows (8448, untouched CPU memory) give every backward program more than one, as on the device:
+with one row each, Triton compiled the row loop for a count of 1 and reported fewer registers
+(LayerNorm at 2048 columns: 64 instead of the device's 96). Registers differ between Triton versions (their ptxas too): read them
 with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9).
 """
 
@@ -73,12 +76,16 @@ class OfflineCompile:
         regs = int(re.search(r"REG:(\d+)", usage).group(1))
         stack = int(re.search(r"STACK:(\d+)", usage).group(1))
         alloc = -(-regs // 8) * 8  # registers are allocated in steps of 8 per thread
-        per_sm = min(65536 // (alloc * 32 * num_warps), 32, 64 // num_warps)
+        shared = compiled.metadata.shared
+        per_sm = min(
+            65536 // (alloc * 32 * num_warps), 32, 64 // num_warps, 233472 // (shared + 1024)
+        )  # 228 KB per SM, 1 KB reserved per block
         shown = {k: v for k, v in constexprs.items()
                  if k in ("BLOCK_N", "TAIL_N", "NUM_CHUNKS", "SPLIT", "ROWS_PER_PROGRAM",
                           "ROW_STAGES", "TILE_ROWS", "HOLD")}  # fmt: skip
         print(f"{self.kernel.fn.__name__}: warps={num_warps} maxnreg={maxnreg} regs={regs} "
-              f"stack={stack} programs/SM by registers={per_sm} {shown}")  # fmt: skip
+              f"stack={stack} shared={shared} programs/SM={per_sm} grid={grid} "
+              f"{shown}")  # fmt: skip
 
 
 ops._FWD = OfflineCompile(ops._fused_norm_fwd_kernel)
@@ -86,17 +93,17 @@ ops._BWD = OfflineCompile(ops._fused_norm_bwd_kernel)
 ops._SUMS = OfflineCompile(ops._bwd_row_sums_kernel)
 
 
-def run(direction, workload, n, dtype="bf16", res32=False, m=64):
+def run(direction, workload, n, dtype="bf16", res32=False, m=8448):
     d = DTYPES[dtype]
-    x = torch.randn(m, n, dtype=d)
+    x = torch.empty(m, n, dtype=d)
     w = torch.randn(n, dtype=d)
     b = torch.randn(n, dtype=d) if workload in ("ln", "drop_add_ln", "parallel") else None
     res = None
     if workload not in ("ln", "rms"):
-        res = torch.randn(m, n, dtype=torch.float32 if res32 else d)
+        res = torch.empty(m, n, dtype=torch.float32 if res32 else d)
     x1 = w1 = b1 = None
     if workload == "parallel":
-        x1, w1, b1 = torch.randn(m, n, dtype=d), torch.randn(n, dtype=d), torch.randn(n, dtype=d)
+        x1, w1, b1 = torch.empty(m, n, dtype=d), torch.randn(n, dtype=d), torch.randn(n, dtype=d)
     p = 0.1 if workload in ("drop_add_ln", "parallel") else 0.0
     rms = workload in ("rms", "add_rms")
     stream = res.dtype if res is not None else d
@@ -105,8 +112,8 @@ def run(direction, workload, n, dtype="bf16", res32=False, m=64):
         ops.fused_norm_fwd(x, w, b, res, x1, w1, b1, None, None, seeds, 1e-6, p, rms, False, d,
                            stream, store_residual_out=res is not None)  # fmt: skip
     else:
-        s = torch.randn(m, n, dtype=stream)
-        dres = torch.randn(m, n, dtype=stream) if res is not None else None
+        s = torch.empty(m, n, dtype=stream)
+        dres = torch.empty(m, n, dtype=stream) if res is not None else None
         ops.fused_norm_bwd(x, s, w, b, w1, b1, torch.zeros(m), torch.ones(m),
                            dy1=x if x1 is not None else None, dresidual_out=dres, seeds=seeds,
                            dropout_p=p, is_rms_norm=rms, x_dtype=d,

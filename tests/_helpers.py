@@ -646,7 +646,9 @@ def few_programs(count: int) -> patched_config:
     owns several rows: on the CPU the fallback SM count gives a program per row to the few
     rows the tests draw."""
     return patched_config(
-        bwd_num_programs=lambda n_rows, device, num_warps, num_chunks: max(min(count, n_rows), 1)
+        bwd_num_programs=lambda n_rows, device, num_warps, num_chunks, resident=0: max(
+            min(count, n_rows), 1
+        )
     )
 
 

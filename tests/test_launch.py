@@ -259,3 +259,44 @@ def test_backward_warps_of_a_plain_rmsnorm():
     assert config.bwd_num_warps(8192, 1, plain=True) == 8
     assert config.bwd_num_warps(4096, 1) == 8
     assert config.bwd_num_warps(4096, 2, plain=True) == 8
+
+
+def test_backward_grid_holds_what_fits():
+    """The backward's persistent grid takes no more programs per SM than fit at once
+    (config.BWD_RESIDENT_GRID, the count from Launcher.resident), except where whole waves
+    of the BWD_WARPS_PER_SM grid measured faster (config.bwd_whole_waves)."""
+    from fused_norm import config
+
+    dev = torch.device("cpu")
+    sms = config.sm_count(dev)
+    assert config.bwd_num_programs(10**6, dev, 4, 1) == sms * 8  # 32 warps per SM
+    assert config.bwd_num_programs(10**6, dev, 4, 1, resident=5) == sms * 5
+    assert config.bwd_num_programs(10**6, dev, 4, 1, resident=12) == sms * 8
+    assert config.bwd_num_programs(10**6, dev, 16, 2, resident=1) == max(sms // 2, 1)
+    assert config.bwd_num_programs(3, dev, 4, 1, resident=5) == 3  # at most a row each
+    assert config.bwd_whole_waves(4096, 1, 0, 1, False, True)  # RMSNorm of x alone, 4K
+    assert not config.bwd_whole_waves(4096, 1, 0, 2, False, True)  # LayerNorm, 4K
+    assert config.bwd_whole_waves(1024, 1, 0, 2, True, False)  # dropout + add + LayerNorm
+    assert not config.bwd_whole_waves(4096, 1, 0, 2, True, False)
+    assert config.bwd_whole_waves(16384, 1, 4096, 2, False, True)  # LayerNorm 12288
+    assert not config.bwd_whole_waves(8192, 2, 0, 2, True, False)  # column blocks
+
+
+def test_loose_integers_share_a_key():
+    """Integer parameters the kernel does not specialise on (the backward's M, row count per
+    program and slab stride, which follow from the grid) enter the launch key by their range
+    only, so one compiled kernel serves every grid; the others keep Triton's classes."""
+    from fused_norm.launch import key_and_pointers
+
+    loose = (True, False)
+    assert key_and_pointers((16, 16), loose)[0] == key_and_pointers((17, 16), loose)[0]
+    assert key_and_pointers((1, 16), loose)[0] == key_and_pointers((33, 16), loose)[0]
+    assert key_and_pointers((16, 16), loose)[0] != key_and_pointers((16, 17), loose)[0]
+    assert key_and_pointers((16, 16), loose)[0] != key_and_pointers((2**40, 16), loose)[0]
+    if ops._BWD.loose:  # compiled kernels (not the interpreter) name their parameters
+        names = [p.name for p in ops._BWD.kernel.params if not p.is_constexpr]
+        assert {n for n, lo in zip(names, ops._BWD.loose) if lo} == {
+            "stride_part",
+            "M",
+            "rows_per_program",
+        }
