@@ -29,7 +29,9 @@ Design notes
 * Dropout masks are never stored for the backward: each row has an int64 seed, and
   Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
-* Backward, a persistent grid of row blocks: program ``(p, c)`` owns the contiguous rows
+* Backward, a persistent grid of row blocks, at most as many as fit on the device at once
+  (ops sizes it after asking the compiled kernel; see the note above _fused_norm_bwd_kernel):
+  program ``(p, c)`` owns the contiguous rows
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the column block ``c``, keeps fp32
   partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of its
   ``(num_row_blocks, N)`` slab of one fp32 buffer, which the host sums in one reduction. No
