@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import inspect
 import os
 import threading
@@ -149,20 +150,21 @@ def _key_and_pointers(device, num_warps, num_stages, constexpr_values, args, max
     return (device.index, num_warps, num_stages, constexpr_values, akey, maxnreg), launch_args
 
 
-_LIBCUDA = []
+@functools.cache
+def _libcuda():
+    """The CUDA driver library, or None (ROCm, or none installed)."""
+    try:
+        return None if torch.version.hip else ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 def max_active_blocks(function: int, threads: int, shared: int) -> int:
     """Blocks of a loaded CUDA kernel (``function``: its CUfunction handle) of ``threads``
     threads and ``shared`` bytes of dynamic shared memory that fit on one multiprocessor at
     once, from the driver's occupancy calculator; 0 where it cannot say (no libcuda: ROCm)."""
-    if not _LIBCUDA:
-        try:
-            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
-        except OSError:
-            _LIBCUDA.append(None)
-    lib = _LIBCUDA[0]
-    if lib is None or torch.version.hip:
+    lib = _libcuda()
+    if lib is None:
         return 0
     blocks = ctypes.c_int(0)
     err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -201,7 +203,6 @@ class Launcher:
         self.loose = tuple(p.do_not_specialize for p in params or () if not p.is_constexpr)
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
-        self.resident_cache: dict = {}  # key -> programs per multiprocessor (resident())
 
     def __call__(
         self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None, maxnreg=None
@@ -262,15 +263,10 @@ class Launcher:
         """Programs of the kernel these arguments (tensors or :class:`Stand`-ins) select that
         fit on one multiprocessor at once (its registers, shared memory and warps), compiling
         it if need be; 0 where that is unknown (not a CUDA device, the interpreter, no
-        occupancy calculator). Raises Triton's OutOfResources where it does not fit at all."""
+        occupancy calculator). Raises Triton's OutOfResources where it does not fit at all.
+        Not cached here: its caller (ops._bwd_resident) keeps the answers."""
         if device.type != "cuda" or not hasattr(self.kernel, "warmup"):
             return 0
-        key = _key(
-            device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg, self.loose
-        )
-        hit = self.resident_cache.get(key)
-        if hit is not None:
-            return hit
         for pending in list(self.pending.values()):  # a warm-up compile may be this kernel
             pending.result()
         options = _options(num_warps, num_stages, maxnreg)
@@ -279,11 +275,7 @@ class Launcher:
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
             compiled.run  # noqa: B018 - loads the kernel (OutOfResources if it cannot run)
-            hit = max_active_blocks(
-                compiled.function, 32 * num_warps, compiled.metadata.shared
-            )  # fmt: skip
-        self.resident_cache[key] = hit
-        return hit
+            return max_active_blocks(compiled.function, 32 * num_warps, compiled.metadata.shared)
 
     def _warm(self, grid, device, args, constexprs, options):
         try:

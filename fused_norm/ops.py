@@ -374,22 +374,17 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
         for i, d in enumerate(dtypes)
     )  # fmt: skip
     has_bias, has_b1, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps = opts
-    for _ in range(2):
-        flags, key, maxnreg = _bwd_plan(
-            dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
-            has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials,
-        )  # fmt: skip
-        args = _bwd_args(
-            s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds,
-            dx, dx1, dresidual, parts, c12, dropout_p, 1,
-        )  # fmt: skip
-        try:
-            return _BWD.resident(dev, args, flags, warps, maxnreg=maxnreg)
-        except OutOfResources:
-            if flags["ROW_STAGES"] == 1:
-                raise
-            _STAGES_THAT_FIT[key] = 1
-    return 0
+    flags, key, maxnreg = _bwd_plan(
+        dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+        has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials,
+    )  # fmt: skip
+    args = _bwd_args(
+        s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds, dx,
+        dx1, dresidual, parts, c12, dropout_p, 1,
+    )  # fmt: skip
+    return _fitting_stages(
+        lambda f: _BWD.resident(dev, args, f, warps, maxnreg=maxnreg), flags, key
+    )
 
 
 def _bwd_run(
@@ -437,15 +432,20 @@ def _bwd_run(
     if warm:
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
         return
+    _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, key)
+
+
+def _fitting_stages(call, flags, stage_key):
+    """``call(flags)``; where the pipeline's buffers do not fit this device's shared memory
+    (config sizes them from an estimate), ``call`` again unpipelined, and remember that for
+    this configuration (under ``stage_key``, from _bwd_plan)."""
     try:
-        _BWD(grid, dev, args, flags, warps, maxnreg=maxnreg)
+        return call(flags)
     except OutOfResources:
-        # The pipeline's buffers did not fit this device's shared memory (config sizes them
-        # from an estimate): run unpipelined, and remember it for this configuration.
         if flags["ROW_STAGES"] == 1:
             raise
-        _STAGES_THAT_FIT[key] = 1
-        _BWD(grid, dev, args, {**flags, "ROW_STAGES": 1}, warps, maxnreg=maxnreg)
+        _STAGES_THAT_FIT[stage_key] = 1
+        return call({**flags, "ROW_STAGES": 1})
 
 
 # (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.
@@ -510,9 +510,10 @@ def fused_norm_bwd(
         # The persistent grid holds only programs that run at once (bwd_num_programs). A
         # warm-up (from the forward) does not wait for this compile: its kernel serves any grid.
         tensors = (s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale,
-                   rowscale, seeds, dx, dx1, dresidual, weight, c12)  # fmt: skip
-        dtypes = tuple(None if t is None else t.dtype for t in tensors)
-        dtypes = dtypes[:15] + (torch.float32,) + dtypes[16:]  # parts
+                   rowscale, seeds, dx, dx1, dresidual)  # fmt: skip
+        dtypes = tuple(None if t is None else t.dtype for t in tensors) + (
+            torch.float32, None if c12 is None else c12.dtype  # parts, c12
+        )  # fmt: skip
         opts = (bias is not None, bias1 is not None, bool(is_rms_norm), bool(zero_centered_weight),
                 block_n, num_chunks, tail, partials, warps)  # fmt: skip
         resident = _bwd_resident(dev, dtypes, n, dropout, opts)
