@@ -15,6 +15,8 @@ Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-wa
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
        [--fwd-hold auto,all,off]  (split forward rows held in 16 bits where measured, also
        the stream, or never: FWD_HOLD)
+       [--bwd-exchange auto,on,off]  (rows wider than a backward block: column programs
+       exchange their row sums, or take them from the pre-pass: BWD_EXCHANGE)
 """
 
 from __future__ import annotations
@@ -228,7 +230,9 @@ def main():
     ap.add_argument("--bwd-max-bytes", default="auto")
     ap.add_argument("--bwd-stages", default="auto")
     ap.add_argument("--bwd-rows", default="auto", help="rows per backward tile (narrow rows)")
-    ap.add_argument("--bwd-tile-bytes", default=str(config.BWD_TILE_BYTES))
+    ap.add_argument("--bwd-tile-bytes", default="auto",
+                    help="column blocks of rows wider than a block (BWD_TILE_BYTES, and "
+                    "BWD_EXCHANGE_TILE_BYTES where they exchange row sums)")  # fmt: skip
     ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
     ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
     ap.add_argument("--fwd-maxnreg", default="auto", help="register caps of the forward")
@@ -244,6 +248,10 @@ def main():
         default="auto",
         help="auto, all, off (comma-separated): config.FWD_HOLD measured/True/False",
     )
+    ap.add_argument(
+        "--bwd-exchange", default="auto",
+        help="auto, on, off (comma-separated): config.BWD_EXCHANGE as set, on or off",
+    )  # fmt: skip
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -276,7 +284,9 @@ def main():
     rows = []
     evict = config.FWD_CHUNK_EVICT
     lane_chunks = dict(config.FWD_LANE_CHUNKS)
-    for n, workload, mode, tail, hold, ev, lchunk, unroll in itertools.product(
+    exchange = config.BWD_EXCHANGE
+    exchange_layout = config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS
+    for n, workload, mode, tail, hold, ev, lchunk, unroll, exch in itertools.product(
         ints(args.ns),
         args.workloads.split(","),
         args.modes.split(","),
@@ -285,6 +295,7 @@ def main():
         args.fwd_evict.split(","),
         [{"auto": None, "off": -1}.get(t, t) for t in args.fwd_lane_chunk.split(",")],
         args.fwd_unroll.split(","),
+        args.bwd_exchange.split(",") if "bwd" in args.modes else ["auto"],
     ):
         if mode == "fwd":
             variants = [
@@ -309,6 +320,7 @@ def main():
             config.TAIL_BLOCKS = {"auto": "measured", "on": True, "off": False}[tail]
             config.FWD_HOLD = {"auto": "measured", "all": True, "off": False}[hold]
             config.FWD_CHUNK_EVICT = evict if ev == "auto" else ("", "")
+            config.BWD_EXCHANGE = {"auto": exchange, "on": True, "off": False}[exch]
             # An explicit chunk size is keyed by the width itself, which wins over two blocks
             # and over the padded width's entry (config.fwd_block_layout); "off" drops both.
             lchunk = int(lchunk) if lchunk is not None else None
@@ -326,6 +338,7 @@ def main():
                 config.bwd_maxnreg = lambda *a, _r=mr: _r
             if bw:
                 config.bwd_num_warps = lambda *a, _w=bw: _w
+                config.BWD_EXCHANGE_WARPS = bw
             if br:  # an explicit tile applies to every one-block width, with or without dropout
                 config.bwd_tile_rows = lambda bn, nc, tail=0, drop=True, _r=br: (
                     _r if nc == 1 and not tail else 1
@@ -341,7 +354,7 @@ def main():
                     config.FWD_ROWS_PER_PROGRAM = gb
                     config.FWD_ROWS_MAX_N = config.FWD_ROWS_MAX_N_PLAIN = 1 << 30
             elif gb:
-                config.BWD_TILE_BYTES = gb
+                config.BWD_TILE_BYTES = config.BWD_EXCHANGE_TILE_BYTES = gb
             if mode == "fwd" and st:
                 config.FWD_SPLIT_MIN_BYTES = 1 << 40 if st == -1 else st
                 config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_BLOCK_BYTES if st == -1 else st
@@ -368,14 +381,18 @@ def main():
                         f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
-                bn, nc, tl_, bw_ = config.bwd_layout(
-                    n, eb, partials, drop, workload in ("ln", "rms")
-                )
+                exch_ = config.bwd_exchange(device)
+                bn, nc, tl_, bw_ = config.bwd_layout(n, eb, partials, drop, workload in ("ln", "rms"),
+                                                     exch_)  # fmt: skip
+                if nc > 1 and exch_ and not config.bwd_exchange_fits(nc, partials, device):
+                    exch_ = False
+                    bn, nc, tl_, bw_ = config.bwd_layout(n, eb, partials, drop,
+                                                         workload in ("ln", "rms"))  # fmt: skip
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
                         f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
-                        f"tail={tl_}")  # fmt: skip
+                        f"tail={tl_} exchange={nc > 1 and exch_}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, dtype, device, mode)
                 err = ""
@@ -392,6 +409,8 @@ def main():
                  config.MAX_BLOCK_BYTES) = orig  # fmt: skip
                 config.TAIL_BLOCKS = "measured"
                 config.FWD_HOLD = "measured"
+                config.BWD_EXCHANGE = exchange
+                config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS = exchange_layout
                 ops._RESIDENT.clear()  # the resident grid of a variant (stages, caps) is its own
                 config.FWD_CHUNK_EVICT = evict
                 config.FWD_LANE_CHUNKS.clear()

@@ -503,9 +503,45 @@ BWD_SUMS_WARPS = 8
 # each its own program (see kernels.py); bench/NOTES.md has the sweep.
 BWD_TILE_BYTES = 16384
 
+# The column programs of a row block exchange their partial row sums (kernels.py, EXCHANGE)
+# instead of a pre-pass kernel reading s and dy a second time: on CUDA GPUs and under the CPU
+# interpreter (where a program waits at most BWD_EXCHANGE_MAX_POLLS reads of a row's words
+# before computing the missing ones itself). ``FUSED_NORM_BWD_EXCHANGE=0`` turns it off.
+BWD_EXCHANGE = os.environ.get("FUSED_NORM_BWD_EXCHANGE", "1") != "0"
+BWD_EXCHANGE_MAX_POLLS = 0
+# Column blocks (bytes of a 16-bit row: 2K columns whatever the dtype, but see bwd_block_config)
+# and warps of the exchanging programs.
+BWD_EXCHANGE_TILE_BYTES = 4096
+BWD_EXCHANGE_WARPS = 4
+BWD_EXCHANGE_MAX_CHUNKS_MULTI = 32
+
+
+def bwd_exchange_reload(partials: int) -> bool:
+    """Whether the exchange's row sums come from one more read of the words after a barrier
+    (kernels._exchanged_row_sums): with four partials (the x1 path) that measured faster."""
+    return partials >= 4
+
+
+def bwd_exchange_fits(num_chunks: int, partials: int, device: torch.device) -> bool:
+    """Whether rows of ``num_chunks`` column blocks exchange their row sums, with ``partials``
+    parameter gradients: a row block's programs wait for each other, so they must fit on the
+    device at once even at one program per multiprocessor (kernels.py); and with two or more
+    partials at most BWD_EXCHANGE_MAX_CHUNKS_MULTI blocks (where measured to pay). Other rows
+    take the row-sums pre-pass. The interpreter's wait is bounded: any count."""
+    if INTERPRETED:
+        return True
+    return num_chunks <= sm_count(device) and (
+        partials == 1 or num_chunks <= BWD_EXCHANGE_MAX_CHUNKS_MULTI
+    )
+
+
+def bwd_exchange(device: torch.device) -> bool:
+    """Whether the backward of rows wider than one block exchanges row sums on ``device``."""
+    return BWD_EXCHANGE and (_nvidia(device) or INTERPRETED)
+
 
 def bwd_block_config(
-    n_cols: int, elem_bytes: int, partials: int, dropout: bool = False
+    n_cols: int, elem_bytes: int, partials: int, dropout: bool = False, exchange: bool = False
 ) -> tuple[int, int]:
     """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors.
 
@@ -529,18 +565,32 @@ def bwd_block_config(
             and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
         return 2 * block_n, 1
     if num_chunks > 1:
-        block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
+        if exchange:  # in 16-bit columns (registers per column do not depend on the dtype),
+            # but in bytes with four partials (the x1 path: fp32 or fp32-stream rows of 2K
+            # columns measured 4-6 points below 1K, bench/NOTES.md #44)
+            eb = elem_bytes if partials >= 4 else min(elem_bytes, 2)
+            block_n, num_chunks = block_config(n_cols, eb, BWD_EXCHANGE_TILE_BYTES)
+        else:
+            block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
     return block_n, num_chunks
 
 
 def bwd_layout(
-    n_cols: int, elem_bytes: int, partials: int, dropout: bool, plain: bool
+    n_cols: int,
+    elem_bytes: int,
+    partials: int,
+    dropout: bool,
+    plain: bool,
+    exchange: bool = False,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, TAIL_N, warps) of the backward: the padded block and its column
-    blocks (bwd_block_config), the tail where that block is held as two (bwd_block_tail: its
-    first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
-    block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout)
+    blocks (bwd_block_config; with ``exchange``, those of rows wider than a block exchange
+    their row sums: bwd_exchange), the tail where that block is held as two (bwd_block_tail:
+    its first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
+    block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout, exchange)
     tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout)[1]
+    if num_chunks > 1 and exchange:
+        return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS
     return block_n, num_chunks, tail, bwd_num_warps(block_n, partials, dropout, tail, plain)
 
 

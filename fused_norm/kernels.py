@@ -35,11 +35,13 @@ Design notes
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the column block ``c``, keeps fp32
   partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of its
   ``(num_row_blocks, N)`` slab of one fp32 buffer, which the host sums in one reduction. No
-  atomics, no locks: the result is bitwise deterministic. A row that fits one block
-  (``NUM_CHUNKS == 1``) takes its sums c1, c2 in registers; wider rows get them first from
-  ``_bwd_row_sums_kernel`` (one more read of s and dy), so that the column blocks of a row can
-  run on different programs: per-program partials then span BLOCK_N columns, not N, and there
-  are few row blocks however wide the row.
+  atomic accumulation: the result is bitwise deterministic. A row that fits one block
+  (``NUM_CHUNKS == 1``) takes its sums c1, c2 in registers. Wider rows go to column blocks on
+  different programs (per-program partials then span BLOCK_N columns, not N, and there are few
+  row blocks however wide the row), which get c1, c2 by exchanging their blocks' partial sums a
+  row ahead (EXCHANGE, one word per row and block, written once by compare-and-swap) or, where
+  that does not apply (config.bwd_exchange_fits, ROCm), from ``_bwd_row_sums_kernel`` (one more
+  read of s and dy).
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -820,6 +822,93 @@ def _store_partials(PARTS, part, stride_part, cols, col_mask, dw, db, dw1, db1, 
 
 
 @triton.jit
+def _pack_sums(p1, p2):
+    """One int64 word holding a column block's partial row sums: p1's fp32 bits low, p2's
+    high. The exchange's workspace starts as -1 (all ones); p2's bits are never all ones (that
+    NaN becomes the canonical one), so a published word is told apart by its high half."""
+    lo = p1.to(tl.uint32, bitcast=True).to(tl.uint64)
+    hi = p2.to(tl.uint32, bitcast=True)
+    hi = tl.where(hi == 0xFFFFFFFF, 0x7FFFFFFF, hi).to(tl.uint64)
+    return (lo | (hi << 32)).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _block_sums_word(
+    S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+    stride_dy1_row, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """The packed partial sums (sum(xhat * wdy), sum(wdy)) of one row over one column block."""
+    xhat, _dy, _dy1, wdy = _row_grads(
+        S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
+        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+    )  # fmt: skip
+    p2 = tl.zeros((), dtype=tl.float32)
+    if not IS_RMS_NORM:
+        p2 = tl.sum(wdy, axis=0)
+    return _pack_sums(tl.sum(xhat * wdy, axis=0), p2)
+
+
+@triton.jit
+def _add_triples(m1, a1, b1, m2, a2, b2):
+    return m1 + m2, a1 + a2, b1 + b2
+
+
+@triton.jit
+def _read_words(ptrs, bmask):
+    """(words missing, sum of low halves, sum of high halves) of one poll of a row's words, in
+    one reduction: each thread's three come from the same loaded copies of the words, so a
+    thread that counts none missing sums only published words (which never change), whatever
+    other threads' copies held; no barrier and second read are needed (see _fwd_split_row)."""
+    bits = tl.load(ptrs, mask=bmask, other=0, volatile=True).to(tl.uint64, bitcast=True)
+    absent = (bits >> 32) == 0xFFFFFFFF
+    p1 = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    p2 = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.reduce((absent.to(tl.int32), tl.where(absent, 0.0, p1), tl.where(absent, 0.0, p2)),
+                     0, _add_triples)  # fmt: skip
+
+
+@triton.jit
+def _exchanged_row_sums(
+    WS, S, DY, DY1, W, W1, MEAN, RSTD, row, N, stride_s_row, stride_dy_row, stride_dy1_row,
+    max_polls, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    BOUNDED_WAIT: tl.constexpr, RELOAD: tl.constexpr,
+):  # fmt: skip
+    """c1, c2 of ``row`` from the words its NUM_CHUNKS column programs published (WS[row, :]),
+    waiting for those not yet there. Each program sums the same words in the same order, so
+    all get the same c1, c2. With RELOAD the sums are taken from one more read of the words
+    after a barrier instead of from the last poll (a choice of speed, measured: see config). Under the interpreter (BOUNDED_WAIT) the program computes the
+    words still missing after ``max_polls`` reads itself, as their owners would, and publishes
+    them by compare-and-swap from -1: the first word of a block wins, and every block's word
+    is the same whoever computed it."""
+    blocks = tl.arange(0, CHUNKS_P2)
+    bmask = blocks < NUM_CHUNKS
+    ptrs = WS + row * NUM_CHUNKS + blocks
+    missing, c1, c2 = _read_words(ptrs, bmask)  # padding reads 0: counts as published
+    polls = 0
+    while missing > 0:
+        if BOUNDED_WAIT and polls == max_polls:
+            bits = tl.load(ptrs, mask=bmask, other=0, volatile=True).to(tl.uint64, bitcast=True)
+            absent = (bits >> 32) == 0xFFFFFFFF
+            sentinel = tl.full((), -1, dtype=tl.int64)
+            for b in range(NUM_CHUNKS):
+                if tl.sum((absent & (blocks == b)).to(tl.int32), axis=0) > 0:
+                    bcols = b * BLOCK_N + tl.arange(0, BLOCK_N)
+                    word = _block_sums_word(
+                        S, DY, DY1, W, W1, MEAN, RSTD, row, bcols, bcols < N, stride_s_row,
+                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                    )  # fmt: skip
+                    tl.atomic_cas(WS + row * NUM_CHUNKS + b, sentinel, word, sem="relaxed")
+        missing, c1, c2 = _read_words(ptrs, bmask)
+        polls += 1
+    if RELOAD:
+        tl.debug_barrier()
+        missing, c1, c2 = _read_words(ptrs, bmask)
+    return c1 / N, c2 / N
+
+
+@triton.jit
 def _bwd_row_sums_kernel(
     S, DY, DY1, W, W1, MEAN, RSTD, C12, stride_s_row, stride_dy_row, stride_dy1_row, N,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
@@ -916,12 +1005,15 @@ def _fused_norm_bwd_kernel(
     DRESIDUAL,     # (M, N) grad of residual (if STORE_DRESIDUAL)
     PARTS,         # fp32 partial dW, then dB, dW1, dB1, d(layerscale) where present: one
                    # (P, N) slab each, stride_part elements apart; one row per row block
-    C12,           # (M, 2) fp32 c1, c2 of each row from _bwd_row_sums_kernel (if NUM_CHUNKS > 1)
+    C12,           # rows wider than a block (NUM_CHUNKS > 1): (M, 2) fp32 c1, c2 of each row
+                   # from _bwd_row_sums_kernel, or with EXCHANGE (M, NUM_CHUNKS) int64 words of
+                   # the column blocks' partial sums, -1 until published
     stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
     stride_dx_row, stride_dx1_row, stride_dres_row, stride_part,
     M, N,
     dropout_p,
     rows_per_program,  # contiguous rows owned by each row block
+    max_polls,  # EXCHANGE with BOUNDED_WAIT: reads of a row's words before computing them
     BLOCK_N: tl.constexpr,
     TAIL_N: tl.constexpr,  # one-block rows: a second column block after BLOCK_N (0: none)
     NUM_CHUNKS: tl.constexpr,
@@ -937,12 +1029,30 @@ def _fused_norm_bwd_kernel(
     HAS_DROPOUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr,
     TILE_ROWS: tl.constexpr,  # > 1: narrow one-block rows, that many per tile (_bwd_row_tiles)
+    EXCHANGE: tl.constexpr,  # NUM_CHUNKS > 1: row sums exchanged between column programs
+    CHUNKS_P2: tl.constexpr,  # EXCHANGE: NUM_CHUNKS rounded up to a power of two
+    BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
+    EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
-    # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N).
-    pid = tl.program_id(0)
-    col0 = tl.program_id(1) * BLOCK_N
+    # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N). With EXCHANGE
+    # the grid is one-dimensional, a row block's NUM_CHUNKS programs consecutive.
+    #
+    # EXCHANGE: before each row a program publishes its block's partial sums of the next row
+    # (one word, _pack_sums), then sums the words of this row, which its row block's programs
+    # published one row earlier, so the wait is short; then it reads this row's block again,
+    # from L2 (it read it one row ago), instead of a pre-pass kernel reading the whole row from
+    # memory a second time. Progress: a program only waits for the programs of its own row
+    # block, consecutive ids that GPUs start in id order, so with all of them resident at once
+    # (the grid holds what fits: ops) or not, some row block always runs whole; under the
+    # CPU interpreter, one program after another, the wait is bounded (BOUNDED_WAIT).
+    if EXCHANGE:
+        pid = tl.program_id(0) // NUM_CHUNKS
+        col0 = (tl.program_id(0) % NUM_CHUNKS) * BLOCK_N
+    else:
+        pid = tl.program_id(0)
+        col0 = tl.program_id(1) * BLOCK_N
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     cols = col0 + tl.arange(0, BLOCK_N)
@@ -970,7 +1080,24 @@ def _fused_norm_bwd_kernel(
             tdw1 = tl.zeros((TAIL_N,), dtype=tl.float32)
             tdb1 = tl.zeros((TAIL_N,), dtype=tl.float32)
             tdls = tl.zeros((TAIL_N,), dtype=tl.float32)
+        if EXCHANGE:
+            if row_start < row_end:
+                word = _block_sums_word(
+                    S, DY, DY1, W, W1, MEAN, RSTD, row_start, cols, col_mask, stride_s_row,
+                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                tl.atomic_cas(C12 + row_start * NUM_CHUNKS + col0 // BLOCK_N,
+                              tl.full((), -1, dtype=tl.int64), word, sem="relaxed")  # fmt: skip
         for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
+            if EXCHANGE:
+                if row + 1 < row_end:
+                    word = _block_sums_word(
+                        S, DY, DY1, W, W1, MEAN, RSTD, row + 1, cols, col_mask, stride_s_row,
+                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1,
+                        ZERO_CENTERED_WEIGHT,
+                    )  # fmt: skip
+                    tl.atomic_cas(C12 + (row + 1) * NUM_CHUNKS + col0 // BLOCK_N,
+                                  tl.full((), -1, dtype=tl.int64), word, sem="relaxed")  # fmt: skip
             xhat, dy, dy1, wdy = _row_grads(
                 S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
                 stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
@@ -988,7 +1115,13 @@ def _fused_norm_bwd_kernel(
                 )
             # The row sums: from the block(s) when they hold the whole row, else from C12.
             c2 = 0.0
-            if NUM_CHUNKS > 1:
+            if EXCHANGE:  # after this row's loads, which are in flight during the wait
+                c1, c2 = _exchanged_row_sums(
+                    C12, S, DY, DY1, W, W1, MEAN, RSTD, row, N, stride_s_row, stride_dy_row,
+                    stride_dy1_row, max_polls, BLOCK_N, NUM_CHUNKS, CHUNKS_P2, IS_RMS_NORM,
+                    HAS_W1, ZERO_CENTERED_WEIGHT, BOUNDED_WAIT, EXCHANGE_RELOAD,
+                )  # fmt: skip
+            elif NUM_CHUNKS > 1:
                 c1 = tl.load(C12 + 2 * row)
                 if not IS_RMS_NORM:
                     c2 = tl.load(C12 + 2 * row + 1)

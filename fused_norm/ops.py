@@ -295,8 +295,15 @@ def _bwd_launch(
     )  # fmt: skip
 
 
+def _exchanges(c12) -> bool:
+    """Whether the backward's column programs exchange their row sums (kernels.py, EXCHANGE)
+    instead of taking them from the row-sums pre-pass: fused_norm_bwd chose it by the dtype of
+    the buffer it gave them (int64 words, not fp32 sums)."""
+    return c12 is not None and c12.dtype == torch.int64
+
+
 def _bwd_plan(
-    dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+    dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
     partials,
 ):  # fmt: skip
@@ -305,9 +312,12 @@ def _bwd_plan(
     remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins."""
     row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
+    exchange = _exchanges(c12)
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
     key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials)
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
+    if exchange:  # the row loop waits on other programs: not pipelined
+        stages = 1
     flags = dict(
         BLOCK_N=block_n // 2 if tail else block_n,
         TAIL_N=tail,
@@ -324,6 +334,10 @@ def _bwd_plan(
         HAS_DROPOUT=dropout_p > 0.0,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
         TILE_ROWS=tile_rows,
+        EXCHANGE=exchange,
+        CHUNKS_P2=config.next_power_of_2(num_chunks) if exchange else 1,
+        BOUNDED_WAIT=exchange and config.INTERPRETED,
+        EXCHANGE_RELOAD=exchange and config.bwd_exchange_reload(partials),
         ROW_STAGES=stages,
     )
     return flags, key, config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
@@ -340,7 +354,7 @@ def _bwd_args(
         seeds, dx, dx1, dresidual, parts, c12,
         s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
         dx.stride(0), _stride0(dx1), _stride0(dresidual), programs * n,
-        m, n, dropout_p, config.cdiv(m, programs),
+        m, n, dropout_p, config.cdiv(m, programs), config.BWD_EXCHANGE_MAX_POLLS,
     )  # fmt: skip
 
 
@@ -375,7 +389,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
     )  # fmt: skip
     has_bias, has_b1, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps = opts
     flags, key, maxnreg = _bwd_plan(
-        dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+        dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials,
     )  # fmt: skip
     args = _bwd_args(
@@ -402,7 +416,8 @@ def _bwd_run(
         return
     partials, programs = parts.shape[0], parts.shape[1]
     dev = s.device
-    if num_chunks > 1:  # rows wider than a block: their sums c1, c2 first
+    exchange = _exchanges(c12)
+    if num_chunks > 1 and not exchange:  # rows wider than a block: their sums c1, c2 first
         sums_block, sums_chunks = config.block_config(
             n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES
         )
@@ -420,7 +435,7 @@ def _bwd_run(
             config.BWD_SUMS_WARPS,
         )  # fmt: skip
     flags, key, maxnreg = _bwd_plan(
-        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
         tail, partials,
     )  # fmt: skip
@@ -428,7 +443,7 @@ def _bwd_run(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
         seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
     )  # fmt: skip
-    grid = (programs, num_chunks)
+    grid = (programs * num_chunks,) if exchange else (programs, num_chunks)
     if warm:
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
         return
@@ -502,8 +517,24 @@ def fused_norm_bwd(
     dropout = dropout_p > 0.0
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
-    block_n, num_chunks, tail, warps = config.bwd_layout(n, elem_bytes, partials, dropout, plain)
-    c12 = empty((m, 2), torch.float32) if num_chunks > 1 else None
+    exchange = config.bwd_exchange(dev)
+    block_n, num_chunks, tail, warps = config.bwd_layout(
+        n, elem_bytes, partials, dropout, plain, exchange
+    )
+    if exchange and not config.bwd_exchange_fits(num_chunks, partials, dev):
+        exchange = False
+        block_n, num_chunks, tail, warps = config.bwd_layout(
+            n, elem_bytes, partials, dropout, plain
+        )
+    c12 = None
+    if num_chunks > 1 and exchange:  # words of the row sums, -1 until published
+        c12 = (
+            Stand(torch.int64, (m, num_chunks))
+            if warm
+            else torch.full((m, num_chunks), -1, dtype=torch.int64, device=dev)
+        )
+    elif num_chunks > 1:
+        c12 = empty((m, 2), torch.float32)
     resident = 0
     if (not warm and m > 0 and dev.type == "cuda" and config.BWD_RESIDENT_GRID
             and not config.bwd_whole_waves(block_n, num_chunks, tail, partials, dropout, plain)):  # fmt: skip

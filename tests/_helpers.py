@@ -589,15 +589,17 @@ def check_case(
 
 class max_block_bytes:
     """Context manager: cap the forward's and the backward's block at ``value`` bytes
-    (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``),
-    forcing the chunked forward, the backward's column blocks and its row-sums pre-pass; None
-    leaves them alone. Restored on exit, also on failure."""
+    (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``,
+    ``BWD_EXCHANGE_TILE_BYTES``), forcing the chunked forward and the backward's column blocks
+    (which exchange their row sums, or with ``BWD_EXCHANGE`` off take the row-sums pre-pass);
+    None leaves them alone. Restored on exit, also on failure."""
 
     NAMES = (
         "MAX_BLOCK_BYTES",
         "BWD_MAX_BLOCK_BYTES",
         "BWD_MAX_BLOCK_BYTES_MULTI",
         "BWD_TILE_BYTES",
+        "BWD_EXCHANGE_TILE_BYTES",
     )
 
     def __init__(self, value: Optional[int]):

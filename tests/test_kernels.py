@@ -180,20 +180,29 @@ def test_row_tile_matches_one_row_per_program(n, rows, dropout_p, has_x1, is_rms
 @st.composite
 def chunked_cases(draw):
     """Cases for the multi-chunk path, with the block cap that forces it: 64 bytes is 16 fp32
-    or 32 16-bit columns per chunk, 256 bytes four times that; at most ~8 chunks and 4 rows."""
+    or 32 16-bit columns per chunk, 256 bytes four times that; at most ~8 chunks and 4 rows.
+    The backward's column blocks exchange their row sums (config.BWD_EXCHANGE) or take them
+    from the pre-pass, with a program per row or two programs' rows in all."""
     block_bytes = draw(st.sampled_from([64, 256]))
     case = draw(cases("fn", max_n=128 if block_bytes == 64 else 320, max_rows=4))
-    return case, block_bytes
+    return case, block_bytes, draw(st.booleans()), draw(st.sampled_from([None, 2]))
 
 
 @settings(max_examples=EXAMPLES_CHUNKED)
 @given(arg=chunked_cases())
 def test_fn_chunked_matches_reference(arg):
-    """The wide-row path (NUM_CHUNKS > 1) forced by a small MAX_BLOCK_BYTES."""
+    """The wide-row path (NUM_CHUNKS > 1) forced by a small MAX_BLOCK_BYTES. Exchanging row
+    sums under the interpreter, a row block's first program finds its partners' words missing
+    and computes them (the bounded wait's fallback); the others find them published."""
     count_example("test_fn_chunked_matches_reference")
-    case, block_bytes = arg
-    with max_block_bytes(block_bytes):  # restored on exit, also on failure
-        check_case(case, "fn")
+    case, block_bytes, exchange, programs = arg
+    # restored on exit, also on failure
+    with max_block_bytes(block_bytes), patched_config(BWD_EXCHANGE=exchange):
+        if programs is None:
+            check_case(case, "fn")
+        else:
+            with few_programs(programs):
+                check_case(case, "fn")
 
 
 @st.composite

@@ -261,6 +261,26 @@ def test_backward_warps_of_a_plain_rmsnorm():
     assert config.bwd_num_warps(4096, 2, plain=True) == 8
 
 
+def test_backward_exchange_layout(monkeypatch):
+    """Rows wider than one backward block exchange their row sums in 2K-column blocks of 4
+    warps (16-bit columns whatever the dtype, but bytes with four partials), where a row
+    block fits on the device even at one program per SM and, with two or more partials, has
+    at most BWD_EXCHANGE_MAX_CHUNKS_MULTI blocks (bench/NOTES.md #44); else 8K-column blocks
+    after the row-sums pre-pass."""
+    from fused_norm import config
+
+    assert config.bwd_layout(65536, 2, 2, False, True, exchange=True) == (2048, 32, 0, 4)
+    assert config.bwd_layout(65536, 4, 1, False, True, exchange=True) == (2048, 32, 0, 4)
+    assert config.bwd_layout(65536, 4, 4, False, False, exchange=True)[:2] == (1024, 64)
+    assert config.bwd_layout(65536, 2, 2, False, True)[:2] == (8192, 8)
+    assert config.bwd_layout(8192, 2, 1, False, True, exchange=True)[1] == 1  # one block
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert config.bwd_exchange_fits(128, 1, gpu) and config.bwd_exchange_fits(32, 2, gpu)
+    assert not config.bwd_exchange_fits(64, 2, gpu) and not config.bwd_exchange_fits(256, 1, gpu)
+
+
 def test_backward_grid_holds_what_fits():
     """The backward's persistent grid takes no more programs per SM than fit at once
     (config.BWD_RESIDENT_GRID, the count from Launcher.resident), except where whole waves
