@@ -850,6 +850,22 @@ def _block_sums_word(
 
 
 @triton.jit
+def _publish_block_sums(
+    WS, S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col0, stride_s_row, stride_dy_row,
+    stride_dy1_row, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """Publish this program's word of ``row`` (its column block from ``col0``) into WS[row, :],
+    by compare-and-swap from -1: a word the interpreter's fallback published first stays."""
+    word = _block_sums_word(
+        S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+        stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+    )  # fmt: skip
+    tl.atomic_cas(WS + row * NUM_CHUNKS + col0 // BLOCK_N, tl.full((), -1, dtype=tl.int64), word,
+                  sem="relaxed")  # fmt: skip
+
+
+@triton.jit
 def _add_triples(m1, a1, b1, m2, a2, b2):
     return m1 + m2, a1 + a2, b1 + b2
 
@@ -878,7 +894,8 @@ def _exchanged_row_sums(
     """c1, c2 of ``row`` from the words its NUM_CHUNKS column programs published (WS[row, :]),
     waiting for those not yet there. Each program sums the same words in the same order, so
     all get the same c1, c2. With RELOAD the sums are taken from one more read of the words
-    after a barrier instead of from the last poll (a choice of speed, measured: see config). Under the interpreter (BOUNDED_WAIT) the program computes the
+    after a barrier instead of from the last poll (a choice of speed, measured:
+    config.bwd_exchange_reload). Under the interpreter (BOUNDED_WAIT) the program computes the
     words still missing after ``max_polls`` reads itself, as their owners would, and publishes
     them by compare-and-swap from -1: the first word of a block wins, and every block's word
     is the same whoever computed it."""
@@ -891,15 +908,14 @@ def _exchanged_row_sums(
         if BOUNDED_WAIT and polls == max_polls:
             bits = tl.load(ptrs, mask=bmask, other=0, volatile=True).to(tl.uint64, bitcast=True)
             absent = (bits >> 32) == 0xFFFFFFFF
-            sentinel = tl.full((), -1, dtype=tl.int64)
             for b in range(NUM_CHUNKS):
                 if tl.sum((absent & (blocks == b)).to(tl.int32), axis=0) > 0:
                     bcols = b * BLOCK_N + tl.arange(0, BLOCK_N)
-                    word = _block_sums_word(
-                        S, DY, DY1, W, W1, MEAN, RSTD, row, bcols, bcols < N, stride_s_row,
-                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                    _publish_block_sums(
+                        WS, S, DY, DY1, W, W1, MEAN, RSTD, row, bcols, bcols < N, b * BLOCK_N,
+                        stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS,
+                        IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
                     )  # fmt: skip
-                    tl.atomic_cas(WS + row * NUM_CHUNKS + b, sentinel, word, sem="relaxed")
         missing, c1, c2 = _read_words(ptrs, bmask)
         polls += 1
     if RELOAD:
@@ -1080,24 +1096,19 @@ def _fused_norm_bwd_kernel(
             tdw1 = tl.zeros((TAIL_N,), dtype=tl.float32)
             tdb1 = tl.zeros((TAIL_N,), dtype=tl.float32)
             tdls = tl.zeros((TAIL_N,), dtype=tl.float32)
-        if EXCHANGE:
-            if row_start < row_end:
-                word = _block_sums_word(
-                    S, DY, DY1, W, W1, MEAN, RSTD, row_start, cols, col_mask, stride_s_row,
-                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-                )  # fmt: skip
-                tl.atomic_cas(C12 + row_start * NUM_CHUNKS + col0 // BLOCK_N,
-                              tl.full((), -1, dtype=tl.int64), word, sem="relaxed")  # fmt: skip
+        if EXCHANGE and row_start < row_end:
+            _publish_block_sums(
+                C12, S, DY, DY1, W, W1, MEAN, RSTD, row_start, cols, col_mask, col0,
+                stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS, IS_RMS_NORM,
+                HAS_W1, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
         for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
-            if EXCHANGE:
-                if row + 1 < row_end:
-                    word = _block_sums_word(
-                        S, DY, DY1, W, W1, MEAN, RSTD, row + 1, cols, col_mask, stride_s_row,
-                        stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1,
-                        ZERO_CENTERED_WEIGHT,
-                    )  # fmt: skip
-                    tl.atomic_cas(C12 + (row + 1) * NUM_CHUNKS + col0 // BLOCK_N,
-                                  tl.full((), -1, dtype=tl.int64), word, sem="relaxed")  # fmt: skip
+            if EXCHANGE and row + 1 < row_end:
+                _publish_block_sums(
+                    C12, S, DY, DY1, W, W1, MEAN, RSTD, row + 1, cols, col_mask, col0,
+                    stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS,
+                    IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
             xhat, dy, dy1, wdy = _row_grads(
                 S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
                 stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
