@@ -381,18 +381,14 @@ def main():
                         f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
-                exch_ = config.bwd_exchange(device)
-                bn, nc, tl_, bw_ = config.bwd_layout(n, eb, partials, drop, workload in ("ln", "rms"),
-                                                     exch_)  # fmt: skip
-                if nc > 1 and exch_ and not config.bwd_exchange_fits(nc, partials, device):
-                    exch_ = False
-                    bn, nc, tl_, bw_ = config.bwd_layout(n, eb, partials, drop,
-                                                         workload in ("ln", "rms"))  # fmt: skip
+                bn, nc, tl_, bw_, exch_ = config.bwd_launch_layout(
+                    n, eb, partials, drop, workload in ("ln", "rms"), device
+                )
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
                         f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
-                        f"tail={tl_} exchange={nc > 1 and exch_}")  # fmt: skip
+                        f"tail={tl_} exchange={exch_}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, dtype, device, mode)
                 err = ""

@@ -516,6 +516,24 @@ BWD_EXCHANGE_WARPS = 4
 BWD_EXCHANGE_MAX_CHUNKS_MULTI = 32
 
 
+def bwd_launch_layout(
+    n_cols: int,
+    elem_bytes: int,
+    partials: int,
+    dropout: bool,
+    plain: bool,
+    device: torch.device,
+) -> tuple[int, int, int, int, bool]:
+    """bwd_layout on ``device``, and whether its column blocks exchange their row sums: where
+    the device allows it (bwd_exchange) and the row's blocks fit (bwd_exchange_fits), else the
+    layout of the row-sums pre-pass."""
+    if bwd_exchange(device):
+        layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, exchange=True)
+        if layout[1] > 1 and bwd_exchange_fits(layout[1], partials, device):
+            return (*layout, True)
+    return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain), False)
+
+
 def bwd_exchange_reload(partials: int) -> bool:
     """Whether the exchange's row sums come from one more read of the words after a barrier
     (kernels._exchanged_row_sums): with four partials (the x1 path) that measured faster."""

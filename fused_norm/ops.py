@@ -517,17 +517,11 @@ def fused_norm_bwd(
     dropout = dropout_p > 0.0
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
-    exchange = config.bwd_exchange(dev)
-    block_n, num_chunks, tail, warps = config.bwd_layout(
-        n, elem_bytes, partials, dropout, plain, exchange
+    block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
+        n, elem_bytes, partials, dropout, plain, dev
     )
-    if exchange and not config.bwd_exchange_fits(num_chunks, partials, dev):
-        exchange = False
-        block_n, num_chunks, tail, warps = config.bwd_layout(
-            n, elem_bytes, partials, dropout, plain
-        )
     c12 = None
-    if num_chunks > 1 and exchange:  # words of the row sums, -1 until published
+    if exchange:  # words of the row sums, -1 until published
         c12 = (
             Stand(torch.int64, (m, num_chunks))
             if warm

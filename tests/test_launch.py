@@ -279,6 +279,10 @@ def test_backward_exchange_layout(monkeypatch):
     gpu = torch.device("cuda")
     assert config.bwd_exchange_fits(128, 1, gpu) and config.bwd_exchange_fits(32, 2, gpu)
     assert not config.bwd_exchange_fits(64, 2, gpu) and not config.bwd_exchange_fits(256, 1, gpu)
+    monkeypatch.setattr(config, "_nvidia", lambda device: True)
+    assert config.bwd_launch_layout(65536, 2, 2, False, True, gpu) == (2048, 32, 0, 4, True)
+    assert config.bwd_launch_layout(262144, 2, 2, False, True, gpu)[1:] == (32, 0, 16, False)
+    assert config.bwd_launch_layout(262144, 2, 1, False, True, gpu)[-1] is True
 
 
 def test_backward_grid_holds_what_fits():
