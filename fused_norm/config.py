@@ -534,6 +534,26 @@ def bwd_launch_layout(
     return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain), False)
 
 
+# One-block backward rows of LayerNorm sum c1 = sum(xhat * wdy) and c2 = sum(wdy) in one
+# reduction (kernels._pair_sums: one exchange between warps instead of two) where that measured
+# faster (bwd_joint_row_sums). ``FUSED_NORM_BWD_JOINT=0`` turns it off (for A/B sweeps).
+BWD_JOINT_ROW_SUMS = os.environ.get("FUSED_NORM_BWD_JOINT", "1") != "0"
+
+
+def bwd_joint_row_sums(
+    block_n: int, num_chunks: int, tail: int, partials: int, stages: int
+) -> bool:
+    """Whether one-block backward rows sum c1 and c2 in one reduction. Graph replay, H200,
+    bf16, 2026-11-24 (bench/NOTES.md #48), two runs each: the x1 path at 8192 columns 66 ->
+    95% of copy (its two reductions had spilled at 16 warps), LayerNorm at 1K / 2K +1.6 / +0.7
+    points, dropout + LayerNorm even; but the x1 path at 1K columns (2 warps, rows
+    pipelined) 86 -> 76%, and LayerNorm at 12288 held as two blocks 62.4 -> 56.4%: not
+    there (nor, unmeasured, on other rows held as two blocks)."""
+    if not BWD_JOINT_ROW_SUMS or num_chunks > 1 or tail:
+        return False
+    return not (partials >= 4 and block_n == 1024 and stages > 1)
+
+
 def bwd_exchange_reload(partials: int) -> bool:
     """Whether the exchange's row sums come from one more read of the words after a barrier
     (kernels._exchanged_row_sums): with four partials (the x1 path) that measured faster."""
@@ -575,10 +595,11 @@ def bwd_block_config(
     4096), instead of column blocks after the row-sums pre-pass, which reads s and dy twice:
     LayerNorm at 12288, 49.5 -> 62.0% of copy (graph replay, H200, 2026-11-23, bench/NOTES.md
     #30); with dropout even (58.5 -> 60.0%), and one padded 16K block lost at 16384 (53.8 ->
-    48.4%)."""
+    48.4%). Where the column blocks exchange their row sums (``exchange``) those rows take
+    the exchange instead: LayerNorm at 12288, 62.4 -> 63.7% (bench/NOTES.md #48)."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
-    if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2
+    if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2 and not exchange
             and 2 * n_cols <= 3 * block_n
             and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
         return 2 * block_n, 1

@@ -143,15 +143,21 @@ def _add_pairs(a1, a2, b1, b2):
 
 
 @triton.jit
-def _sums(s, axis: tl.constexpr):
-    """``(sum(s), sum(s * s))`` along ``axis`` in one reduction: one exchange between warps
+def _pair_sums(a, b, axis: tl.constexpr):
+    """``(sum(a), sum(b))`` along ``axis`` in one reduction: one exchange between warps
     (two tl.sum under the interpreter: see JOINT_SUMS)."""
     if JOINT_SUMS:
-        total, squares = tl.reduce((s, s * s), axis, _add_pairs)
+        sum_a, sum_b = tl.reduce((a, b), axis, _add_pairs)
     else:
-        total = tl.sum(s, axis=axis)
-        squares = tl.sum(s * s, axis=axis)
-    return total, squares
+        sum_a = tl.sum(a, axis=axis)
+        sum_b = tl.sum(b, axis=axis)
+    return sum_a, sum_b
+
+
+@triton.jit
+def _sums(s, axis: tl.constexpr):
+    """``(sum(s), sum(s * s))`` along ``axis`` in one reduction (_pair_sums)."""
+    return _pair_sums(s, s * s, axis)
 
 
 @triton.jit
@@ -843,10 +849,12 @@ def _block_sums_word(
         S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
         stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
     )  # fmt: skip
-    p2 = tl.zeros((), dtype=tl.float32)
-    if not IS_RMS_NORM:
-        p2 = tl.sum(wdy, axis=0)
-    return _pack_sums(tl.sum(xhat * wdy, axis=0), p2)
+    if IS_RMS_NORM:
+        p1 = tl.sum(xhat * wdy, axis=0)
+        p2 = tl.zeros((), dtype=tl.float32)
+    else:
+        p1, p2 = _pair_sums(xhat * wdy, wdy, 0)
+    return _pack_sums(p1, p2)
 
 
 @triton.jit
@@ -958,7 +966,7 @@ def _bwd_row_tiles(
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_DRESIDUAL_OUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
-    ROW_STAGES: tl.constexpr,
+    ROW_STAGES: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):  # fmt: skip
     """The backward of a program's narrow one-block rows (NUM_CHUNKS == 1, TAIL_N == 0),
     TILE_ROWS at a time as one (TILE_ROWS, BLOCK_N) tile, so that a tile's loads are all in
@@ -981,10 +989,15 @@ def _bwd_row_tiles(
             stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
         dw, db, dw1, db1 = _param_grads(dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1)
-        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
-        c2 = 0.0
-        if not IS_RMS_NORM:
-            c2 = tl.sum(wdy, axis=1)[:, None] / N
+        if IS_RMS_NORM or not JOINT_ROW_SUMS:
+            c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
+            c2 = 0.0
+            if not IS_RMS_NORM:
+                c2 = tl.sum(wdy, axis=1)[:, None] / N
+        else:
+            c1, c2 = _pair_sums(xhat * wdy, wdy, 1)
+            c1 = c1[:, None] / N
+            c2 = c2[:, None] / N
         rstd = tl.load(RSTD + row)
         dls_rows = _block_input_grads(
             xhat, wdy, c1, c2, rstd, row, 0, tcols, mask, M, N, DRESIDUAL_OUT, X0, LAYERSCALE,
@@ -1049,6 +1062,7 @@ def _fused_norm_bwd_kernel(
     CHUNKS_P2: tl.constexpr,  # EXCHANGE: NUM_CHUNKS rounded up to a power of two
     BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
     EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
+    JOINT_ROW_SUMS: tl.constexpr,  # one-block rows: c1, c2 in one reduction (_pair_sums)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
@@ -1080,7 +1094,7 @@ def _fused_norm_bwd_kernel(
             stride_dy1_row, stride_dres_out_row, stride_x0_row, stride_dx_row, stride_dx1_row,
             stride_dres_row, M, N, dropout_p, BLOCK_N, TILE_ROWS, IS_RMS_NORM, HAS_BIAS, HAS_W1,
             HAS_B1, HAS_X1, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE,
-            HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES,
+            HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES, JOINT_ROW_SUMS,
         )  # fmt: skip
     else:
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -1136,7 +1150,7 @@ def _fused_norm_bwd_kernel(
                 c1 = tl.load(C12 + 2 * row)
                 if not IS_RMS_NORM:
                     c2 = tl.load(C12 + 2 * row + 1)
-            else:
+            elif IS_RMS_NORM or not JOINT_ROW_SUMS:
                 c1 = tl.sum(xhat * wdy, axis=0)
                 if TAIL_N > 0:
                     c1 += tl.sum(txhat * twdy, axis=0)
@@ -1146,6 +1160,14 @@ def _fused_norm_bwd_kernel(
                     if TAIL_N > 0:
                         c2 += tl.sum(twdy, axis=0)
                     c2 = c2 / N
+            else:
+                c1, c2 = _pair_sums(xhat * wdy, wdy, 0)
+                if TAIL_N > 0:
+                    tc1, tc2 = _pair_sums(txhat * twdy, twdy, 0)
+                    c1 += tc1
+                    c2 += tc2
+                c1 = c1 / N
+                c2 = c2 / N
             rstd = tl.load(RSTD + row)
             dls_row = _block_input_grads(
                 xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,

@@ -12,7 +12,9 @@ memory, the programs per SM that registers, shared memory and warps allow, and t
 rows (8448, untouched CPU memory) give every backward program more than one, as on the device:
 with one row each, Triton compiled the row loop for a count of 1 and reported fewer registers
 (LayerNorm at 2048 columns: 64 instead of the device's 96). Registers differ between Triton versions (their ptxas too): read them
-with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9).
+with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9). With
+``OFFLINE_REGS_CUBIN=path`` the last kernel's cubin is kept there: ``nvdisasm -plr`` (in the
+same bin directory as cuobjdump) shows the live registers at each instruction (#45).
 """
 
 import os
@@ -70,6 +72,9 @@ class OfflineCompile:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
+            if os.environ.get("OFFLINE_REGS_CUBIN"):  # keep the cubin (nvdisasm -plr: live registers)
+                with open(os.environ["OFFLINE_REGS_CUBIN"], "wb") as out:
+                    out.write(compiled.asm["cubin"])
             usage = subprocess.run(
                 [CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True
             ).stdout
