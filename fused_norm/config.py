@@ -534,23 +534,28 @@ def bwd_launch_layout(
     return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain), False)
 
 
-# One-block backward rows of LayerNorm sum c1 = sum(xhat * wdy) and c2 = sum(wdy) in one
-# reduction (kernels._pair_sums: one exchange between warps instead of two) where that measured
-# faster (bwd_joint_row_sums). ``FUSED_NORM_BWD_JOINT=0`` turns it off (for A/B sweeps).
+# The backward of LayerNorm sums c1 = sum(xhat * wdy) and c2 = sum(wdy) of a row (or, where
+# column blocks exchange row sums, of its block) in one reduction (kernels._pair_sums: one
+# exchange between warps instead of two) where that measured faster (bwd_joint_row_sums).
+# ``FUSED_NORM_BWD_JOINT=0`` turns it off (for A/B sweeps).
 BWD_JOINT_ROW_SUMS = os.environ.get("FUSED_NORM_BWD_JOINT", "1") != "0"
 
 
 def bwd_joint_row_sums(
-    block_n: int, num_chunks: int, tail: int, partials: int, stages: int
+    block_n: int, num_chunks: int, tail: int, partials: int, stages: int, dropout: bool
 ) -> bool:
-    """Whether one-block backward rows sum c1 and c2 in one reduction. Graph replay, H200,
-    bf16, 2026-11-24 (bench/NOTES.md #48), two runs each: the x1 path at 8192 columns 66 ->
-    95% of copy (its two reductions had spilled at 16 warps), LayerNorm at 1K / 2K +1.6 / +0.7
-    points, dropout + LayerNorm even; but the x1 path at 1K columns (2 warps, rows
-    pipelined) 86 -> 76%, and LayerNorm at 12288 held as two blocks 62.4 -> 56.4%: not
-    there (nor, unmeasured, on other rows held as two blocks)."""
-    if not BWD_JOINT_ROW_SUMS or num_chunks > 1 or tail:
+    """Whether the backward sums LayerNorm's c1 and c2 in one reduction. Graph replay, H200,
+    bf16, 2026-11-24 (bench/NOTES.md #48), two sums -> one: one-block rows, two runs each, the
+    x1 path at 8192 columns 66 -> 95% of copy (its two sums had spilled at 16 warps),
+    LayerNorm at 1K / 2K +1.6 / +0.7 points, dropout + LayerNorm even, but the x1 path at 1K
+    columns (2 warps, rows pipelined) 86 -> 76% and LayerNorm at 12288 held as two blocks 62.4
+    -> 56.4%: not there (nor, unmeasured, on other rows held as two blocks). Exchanged blocks'
+    words: LayerNorm 12288 61.2 -> 63.7%, 64K 61.8 -> 62.9%, the x1 path 16K 62.4 -> 63.9%,
+    but with dropout 16K 67.6 -> 62.4%: not with dropout."""
+    if not BWD_JOINT_ROW_SUMS or tail:
         return False
+    if num_chunks > 1:
+        return not dropout
     return not (partials >= 4 and block_n == 1024 and stages > 1)
 
 

@@ -842,32 +842,33 @@ def _pack_sums(p1, p2):
 def _block_sums_word(
     S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
     stride_dy1_row, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):  # fmt: skip
     """The packed partial sums (sum(xhat * wdy), sum(wdy)) of one row over one column block."""
     xhat, _dy, _dy1, wdy = _row_grads(
         S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
         stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
     )  # fmt: skip
-    if IS_RMS_NORM:
-        p1 = tl.sum(xhat * wdy, axis=0)
-        p2 = tl.zeros((), dtype=tl.float32)
-    else:
+    if JOINT_ROW_SUMS and not IS_RMS_NORM:
         p1, p2 = _pair_sums(xhat * wdy, wdy, 0)
-    return _pack_sums(p1, p2)
+        return _pack_sums(p1, p2)
+    p2 = tl.zeros((), dtype=tl.float32)
+    if not IS_RMS_NORM:
+        p2 = tl.sum(wdy, axis=0)
+    return _pack_sums(tl.sum(xhat * wdy, axis=0), p2)
 
 
 @triton.jit
 def _publish_block_sums(
     WS, S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col0, stride_s_row, stride_dy_row,
     stride_dy1_row, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):  # fmt: skip
     """Publish this program's word of ``row`` (its column block from ``col0``) into WS[row, :],
     by compare-and-swap from -1: a word the interpreter's fallback published first stays."""
     word = _block_sums_word(
         S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
-        stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+        stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
     )  # fmt: skip
     tl.atomic_cas(WS + row * NUM_CHUNKS + col0 // BLOCK_N, tl.full((), -1, dtype=tl.int64), word,
                   sem="relaxed")  # fmt: skip
@@ -897,7 +898,7 @@ def _exchanged_row_sums(
     WS, S, DY, DY1, W, W1, MEAN, RSTD, row, N, stride_s_row, stride_dy_row, stride_dy1_row,
     max_polls, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
-    BOUNDED_WAIT: tl.constexpr, RELOAD: tl.constexpr,
+    BOUNDED_WAIT: tl.constexpr, RELOAD: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
 ):  # fmt: skip
     """c1, c2 of ``row`` from the words its NUM_CHUNKS column programs published (WS[row, :]),
     waiting for those not yet there. Each program sums the same words in the same order, so
@@ -922,7 +923,7 @@ def _exchanged_row_sums(
                     _publish_block_sums(
                         WS, S, DY, DY1, W, W1, MEAN, RSTD, row, bcols, bcols < N, b * BLOCK_N,
                         stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS,
-                        IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                        IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
                     )  # fmt: skip
         missing, c1, c2 = _read_words(ptrs, bmask)
         polls += 1
@@ -1062,7 +1063,7 @@ def _fused_norm_bwd_kernel(
     CHUNKS_P2: tl.constexpr,  # EXCHANGE: NUM_CHUNKS rounded up to a power of two
     BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
     EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
-    JOINT_ROW_SUMS: tl.constexpr,  # one-block rows: c1, c2 in one reduction (_pair_sums)
+    JOINT_ROW_SUMS: tl.constexpr,  # LayerNorm's c1, c2 (or a block's word of them) in one reduction
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
@@ -1114,14 +1115,14 @@ def _fused_norm_bwd_kernel(
             _publish_block_sums(
                 C12, S, DY, DY1, W, W1, MEAN, RSTD, row_start, cols, col_mask, col0,
                 stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS, IS_RMS_NORM,
-                HAS_W1, ZERO_CENTERED_WEIGHT,
+                HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
             )  # fmt: skip
         for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
             if EXCHANGE and row + 1 < row_end:
                 _publish_block_sums(
                     C12, S, DY, DY1, W, W1, MEAN, RSTD, row + 1, cols, col_mask, col0,
                     stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS,
-                    IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                    IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
                 )  # fmt: skip
             xhat, dy, dy1, wdy = _row_grads(
                 S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
@@ -1144,7 +1145,7 @@ def _fused_norm_bwd_kernel(
                 c1, c2 = _exchanged_row_sums(
                     C12, S, DY, DY1, W, W1, MEAN, RSTD, row, N, stride_s_row, stride_dy_row,
                     stride_dy1_row, max_polls, BLOCK_N, NUM_CHUNKS, CHUNKS_P2, IS_RMS_NORM,
-                    HAS_W1, ZERO_CENTERED_WEIGHT, BOUNDED_WAIT, EXCHANGE_RELOAD,
+                    HAS_W1, ZERO_CENTERED_WEIGHT, BOUNDED_WAIT, EXCHANGE_RELOAD, JOINT_ROW_SUMS,
                 )  # fmt: skip
             elif NUM_CHUNKS > 1:
                 c1 = tl.load(C12 + 2 * row)

@@ -338,7 +338,9 @@ def _bwd_plan(
         CHUNKS_P2=config.next_power_of_2(num_chunks) if exchange else 1,
         BOUNDED_WAIT=exchange and config.INTERPRETED,
         EXCHANGE_RELOAD=exchange and config.bwd_exchange_reload(partials),
-        JOINT_ROW_SUMS=config.bwd_joint_row_sums(block_n, num_chunks, tail, partials, stages),
+        JOINT_ROW_SUMS=config.bwd_joint_row_sums(
+            block_n, num_chunks, tail, partials, stages, dropout_p > 0.0
+        ),
         ROW_STAGES=stages,
     )
     return flags, key, config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)

@@ -72,7 +72,7 @@ class OfflineCompile:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            if os.environ.get("OFFLINE_REGS_CUBIN"):  # keep the cubin (nvdisasm -plr: live registers)
+            if os.environ.get("OFFLINE_REGS_CUBIN"):  # kept for nvdisasm -plr (live registers)
                 with open(os.environ["OFFLINE_REGS_CUBIN"], "wb") as out:
                     out.write(compiled.asm["cubin"])
             usage = subprocess.run(
@@ -87,7 +87,7 @@ class OfflineCompile:
         )  # 228 KB per SM, 1 KB reserved per block
         shown = {k: v for k, v in constexprs.items()
                  if k in ("BLOCK_N", "TAIL_N", "NUM_CHUNKS", "SPLIT", "ROWS_PER_PROGRAM",
-                          "ROW_STAGES", "TILE_ROWS", "HOLD")}  # fmt: skip
+                          "ROW_STAGES", "TILE_ROWS", "HOLD", "JOINT_ROW_SUMS")}  # fmt: skip
         print(f"{self.kernel.fn.__name__}: warps={num_warps} maxnreg={maxnreg} regs={regs} "
               f"stack={stack} shared={shared} programs/SM={per_sm} grid={grid} "
               f"{shown}")  # fmt: skip
