@@ -283,6 +283,24 @@ def test_backward_exchange_layout(monkeypatch):
     assert config.bwd_launch_layout(65536, 2, 2, False, True, gpu) == (2048, 32, 0, 4, True)
     assert config.bwd_launch_layout(262144, 2, 2, False, True, gpu)[1:] == (32, 0, 16, False)
     assert config.bwd_launch_layout(262144, 2, 1, False, True, gpu)[-1] is True
+    # LayerNorm at 12288: one block held as 8K + 4K without the exchange, six exchanging
+    # 2K blocks with it (bench/NOTES.md #48)
+    assert config.bwd_layout(12288, 2, 2, False, True)[:3] == (16384, 1, 4096)
+    assert config.bwd_launch_layout(12288, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
+
+
+def test_backward_joint_row_sums_rule():
+    """LayerNorm's c1, c2 in one reduction (kernels._pair_sums) where measured to pay
+    (bench/NOTES.md #48): one-block rows except the x1 path's pipelined 1K rows and rows held
+    as two blocks; exchanged blocks' words except with dropout."""
+    from fused_norm import config
+
+    assert config.bwd_joint_row_sums(8192, 1, 0, 4, 3, False)  # the x1 path at 8K
+    assert config.bwd_joint_row_sums(1024, 1, 0, 2, 1, False)  # LayerNorm at 1K
+    assert not config.bwd_joint_row_sums(1024, 1, 0, 4, 3, False)  # the x1 path at 1K
+    assert not config.bwd_joint_row_sums(8192, 1, 4096, 2, 1, False)  # two blocks
+    assert config.bwd_joint_row_sums(2048, 32, 0, 2, 1, False)  # exchanged words
+    assert not config.bwd_joint_row_sums(2048, 8, 0, 2, 1, True)  # ... with dropout
 
 
 def test_backward_grid_holds_what_fits():
