@@ -9,7 +9,6 @@ op, where a Python Function pays for apply, its context, the output allocations 
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,6 +17,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fused_norm
+from _timing import per_call  # noqa: E402 - this scripts folder (on sys.path as the script's)
+
 import fused_norm  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -86,20 +87,6 @@ class Bare(torch.autograd.Function):
         if Bare.LAUNCH:
             launch(dx, mean, rstd)
         return dx, dw, db
-
-
-def per_call(fn, calls=300, reps=7):
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return sorted(times)[reps // 2]
 
 
 def fwd_bwd(f):

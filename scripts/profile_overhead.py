@@ -12,7 +12,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fused_norm
+from _timing import per_call  # noqa: E402 - this scripts folder (on sys.path as the script's)
+
 import fused_norm  # noqa: E402
 from fused_norm import launch, ops  # noqa: E402
 
@@ -38,21 +39,6 @@ w = torch.ones(N, device=dev, dtype=bf, requires_grad=True)
 b = torch.zeros(N, device=dev, dtype=bf, requires_grad=True)
 dy = torch.randn_like(x)
 lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
-
-
-def per_call(fn, calls=300, reps=7):
-    """Median over reps of the mean host time per call of `calls` back-to-back calls (us)."""
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return sorted(times)[reps // 2]
 
 
 def workloads():
