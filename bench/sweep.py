@@ -329,6 +329,7 @@ def main():
                 config.FWD_LANE_CHUNKS.pop((workload, config.next_power_of_2(n)), None)
             elif lchunk and workload in ("ln", "rms"):
                 config.FWD_LANE_CHUNKS[(workload, n)] = (lchunk, fw or 16, unroll != "off")
+            config.settings_changed()  # the edits in place above: ops' plans must go
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -407,10 +408,11 @@ def main():
                 config.FWD_HOLD = "measured"
                 config.BWD_EXCHANGE = exchange
                 config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS = exchange_layout
-                ops._RESIDENT.clear()  # the resident grid of a variant (stages, caps) is its own
                 config.FWD_CHUNK_EVICT = evict
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)
+                # ops' plans and resident grids of a variant (stages, caps) are its own
+                config.settings_changed()
             rows.append({"N": n, "workload": workload, "mode": mode, "config": desc, "ms": ms,
                          "GBps": gbps, "pct_copy": 100 * gbps / ceiling, "error": err})  # fmt: skip
             print(f"{n:>7} {workload:>12} {mode:>4} {desc:<34} {ms:8.3f} ms {gbps:7.0f} GB/s "

@@ -3,6 +3,11 @@
 Everything that depends on the kind of device lives here: the block size and warp count for a
 row width, the backward's program count, the multiprocessor count, and the device guard.
 Thresholds name the measurement behind them (bench/NOTES.md has the runs).
+
+ops keeps what it derives from these settings per configuration (its launch plans), so that a
+repeated call does not ask again. Assigning any attribute of this module (a sweep's knob, a
+test's monkeypatch) empties those caches (DERIVED_CACHES); a sweep that edits a setting in place
+(a dict's entry) calls :func:`settings_changed`.
 """
 
 from __future__ import annotations
@@ -10,8 +15,30 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+import types
 
 import torch
+
+# Caches of values derived from this module's settings, emptied when a setting changes.
+DERIVED_CACHES: list = []
+
+
+def settings_changed() -> None:
+    """Empty the caches derived from these settings (done on any assignment to this module)."""
+    for cache in DERIVED_CACHES:
+        cache.clear()
+
+
+class _Settings(types.ModuleType):
+    """This module's type: assigning an attribute calls settings_changed."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        settings_changed()
+
+
+sys.modules[__name__].__class__ = _Settings
 
 # Widest row held whole in registers, in bytes of the widest row tensor read. Beyond it the
 # kernels loop over chunks of MAX_BLOCK_BYTES. 64 KB is where register-resident rows stop paying
@@ -677,6 +704,32 @@ def bwd_num_programs(
     if resident:
         per_sm = min(per_sm, resident)
     return max(min(sm_count(device) * per_sm // num_chunks, n_rows), 1)
+
+
+# The sum of the backward's partial parameter gradients over its row blocks, cast to each
+# parameter's dtype (kernels._sum_partials_kernel, one launch for all of them): a program per
+# column block of each partial walks the row blocks in tiles of PARTIALS_SUM_TILE fp32 values,
+# pipelined over 3 tiles where it walks 3 or more. Column blocks narrow down from 256 to 16
+# columns until the grid has two programs per SM. Graph replay, H200, 2026-11-24 (bench/NOTES.md
+# #51), at the backward's partials for 128M bf16 elements: 2.8-5.6 us from 1 to 4 partials of
+# 256-256K columns, where torch's sum over the row blocks and a cast per gradient took 4.3-14.8
+# us; 32-column blocks took 9.3 us at 256 columns (4224 row blocks, pipelined), and pipelining
+# one or two tiles cost 0.3-3.8 us.
+PARTIALS_SUM_TILE = 4096
+PARTIALS_SUM_WARPS = 4
+
+
+def partials_sum_layout(
+    n_cols: int, partials: int, programs: int, device: torch.device
+) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_P, STAGES) of the partials' sum: columns per program, row blocks per tile
+    and the tiles in flight, for ``programs`` row blocks (those of an unbounded row count: the
+    row count does not choose the kernel)."""
+    block_n = 256
+    while block_n > 16 and cdiv(n_cols, block_n) * partials < 2 * sm_count(device):
+        block_n //= 2
+    block_p = PARTIALS_SUM_TILE // block_n
+    return block_n, block_p, 3 if programs >= 3 * block_p else 1
 
 
 @torch.compiler.assume_constant_result

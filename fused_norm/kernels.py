@@ -1,5 +1,6 @@
-"""Triton kernels: one forward and one backward kernel, specialised by constexpr flags, and the
-backward's row-sums pre-pass for rows wider than one block.
+"""Triton kernels: one forward and one backward kernel, specialised by constexpr flags, the
+backward's row-sums pre-pass for rows wider than one block, and the sum of the backward's
+partial parameter gradients.
 
 Design notes
 ------------
@@ -34,8 +35,10 @@ Design notes
   program ``(p, c)`` owns the contiguous rows
   ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the column block ``c``, keeps fp32
   partial sums of dW/dB for its columns in registers and writes them once to row ``p`` of its
-  ``(num_row_blocks, N)`` slab of one fp32 buffer, which the host sums in one reduction. No
-  atomic accumulation: the result is bitwise deterministic. A row that fits one block
+  ``(num_row_blocks, N)`` slab of one fp32 buffer; the host then launches
+  ``_sum_partials_kernel``, which sums every slab over its row blocks in a fixed order and
+  casts each gradient to its parameter's dtype. No atomic accumulation: the result is bitwise
+  deterministic. A row that fits one block
   (``NUM_CHUNKS == 1``) takes its sums c1, c2 in registers. Wider rows go to column blocks on
   different programs (per-program partials then span BLOCK_N columns, not N, and there are few
   row blocks however wide the row), which get c1, c2 by exchanging their blocks' partial sums a
@@ -1190,3 +1193,38 @@ def _fused_norm_bwd_kernel(
     if TAIL_N > 0:
         _store_partials(PARTS, part, stride_part, tcols, tmask, tdw, tdb, tdw1, tdb1, tdls,
                         HAS_BIAS, HAS_W1, HAS_B1, HAS_LAYERSCALE)  # fmt: skip
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PARTS, G0, G1, G2, G3, G4, programs, N,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PARTIALS: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """``Gk[col] = sum over p of PARTS[k, p, col]`` for the ``(PARTIALS, programs, N)`` fp32
+    partial parameter gradients of the backward, summed in fp32 in a fixed order and cast to
+    Gk's dtype (Gk is None for k >= PARTIALS). Program ``(c, k)``: columns block ``c`` of
+    slab ``k``; its loop over the row blocks is pipelined over STAGES tiles."""
+    k = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    slab = PARTS + k.to(tl.int64) * programs * N
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in tl.range(0, programs, BLOCK_P, num_stages=STAGES):
+        p = p0 + tl.arange(0, BLOCK_P)
+        offs = p[:, None].to(tl.int64) * N + cols[None, :]
+        acc += tl.load(slab + offs, mask=(p < programs)[:, None] & col_ok[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
+    if k == 0:
+        tl.store(G0 + cols, total.to(G0.dtype.element_ty), mask=col_ok)
+    if PARTIALS > 1:
+        if k == 1:
+            tl.store(G1 + cols, total.to(G1.dtype.element_ty), mask=col_ok)
+    if PARTIALS > 2:
+        if k == 2:
+            tl.store(G2 + cols, total.to(G2.dtype.element_ty), mask=col_ok)
+    if PARTIALS > 3:
+        if k == 3:
+            tl.store(G3 + cols, total.to(G3.dtype.element_ty), mask=col_ok)
+    if PARTIALS > 4:
+        if k == 4:
+            tl.store(G4 + cols, total.to(G4.dtype.element_ty), mask=col_ok)

@@ -6,6 +6,11 @@ launches are wrapped as ``torch.library`` custom ops (``fused_norm::fwd`` / ``fu
 that only mutate buffers allocated outside them, so ``torch.compile`` traces the allocations and
 treats the launches as opaque calls with trivial fake implementations. In eager mode the launch
 functions are called directly, which skips the dispatcher's overhead.
+
+The launch choices (config's heuristics, and for the backward the programs that fit on the
+device) are made once per configuration, keyed by the device, the width, the dtypes and the
+flags but never the row count, and kept in ``_FWD_PLANS`` / ``_BWD_PLANS`` until a setting of
+config changes (config.DERIVED_CACHES): a repeated call only allocates and launches.
 """
 
 from __future__ import annotations
@@ -13,13 +18,18 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from triton.runtime.errors import OutOfResources
 
 from . import config
-from .kernels import _bwd_row_sums_kernel, _fused_norm_bwd_kernel, _fused_norm_fwd_kernel
+from .kernels import (
+    _bwd_row_sums_kernel,
+    _fused_norm_bwd_kernel,
+    _fused_norm_fwd_kernel,
+    _sum_partials_kernel,
+)
 from .launch import Launcher, Stand
 
 Tensor = torch.Tensor
@@ -27,6 +37,7 @@ Tensor = torch.Tensor
 _FWD = Launcher(_fused_norm_fwd_kernel)
 _BWD = Launcher(_fused_norm_bwd_kernel)
 _SUMS = Launcher(_bwd_row_sums_kernel)
+_RED = Launcher(_sum_partials_kernel)
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TORCH_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -147,71 +158,98 @@ def _fwd_run(
     m, n = x.shape
     if m == 0:
         return
-    elem_bytes = max(t.element_size() for t in (x, y, residual, x1, residual_out) if t is not None)
     dev = x.device
-    # "ln" / "rms" for a norm of x alone (no residual, x1 or dropout), which moves half the bytes
-    plain = ""
-    if x1 is None and residual is None and dropout_p == 0.0:
-        plain = "rms" if is_rms_norm else "ln"
-    # What the row could be held in instead of fp32 (config.fwd_hold_kind), and whether it is.
-    kind = config.fwd_hold_kind(
-        x.dtype, residual_out.dtype if residual_out is not None else None,
-        plain != "" and rowscale is None and layerscale is None,
+    # Everything the launch choices depend on but the row count (which only sizes the grid).
+    key = (
+        dev, n, x.dtype, y.dtype, None if residual is None else residual.dtype,
+        None if x1 is None else x1.dtype, None if residual_out is None else residual_out.dtype,
+        bias is not None, weight1 is not None, bias1 is not None, rowscale is not None,
+        layerscale is not None, mask is not None, dropout_p > 0.0, is_rms_norm,
+        zero_centered_weight,
     )  # fmt: skip
-    block_n, split = config.fwd_split(n, elem_bytes, dev, x1 is not None or dropout_p > 0.0)
-    ws, lane = None, None
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = _FWD_PLANS[key] = _fwd_plan(*key)
+    split, rows, num_warps, maxnreg, constexprs = plan
+    ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
-        num_chunks, rows = 1, 1
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
-        kernel_block, tail = block_n, 0
-        hold = config.fwd_hold(kind, split)
-        num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
     else:
-        block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
-        kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
-        grid = (config.cdiv(m, rows),)
-        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
-        hold = False  # config.fwd_hold: split parts only
+        grid = (-(-m // rows),)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
          rowscale, layerscale, seeds, mask, mask1, mean, rstd, ws,
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
-        dict(
-            BLOCK_N=kernel_block,
-            TAIL_N=tail,
-            NUM_CHUNKS=num_chunks,
-            IS_RMS_NORM=is_rms_norm,
-            JOINT_STATS=config.fwd_joint_stats(block_n, tail, elem_bytes, dropout_p > 0.0,
-                                               x1 is not None),
-            HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
-            HAS_X1=x1 is not None,
-            HAS_W1=weight1 is not None,
-            HAS_B1=bias1 is not None,
-            HAS_ROWSCALE=rowscale is not None,
-            HAS_LAYERSCALE=layerscale is not None,
-            HAS_DROPOUT=dropout_p > 0.0,
-            STORE_MASK=mask is not None,
-            STORE_RESIDUAL_OUT=residual_out is not None,
-            ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            ROWS_PER_PROGRAM=rows,
-            SPLIT=split,
-            SPLIT_P2=config.next_power_of_2(split),
-            SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
-            BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
-            HOLD=hold,
-            EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
-            EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
-            UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
-        ),
-        num_warps,
-        on_miss=on_miss,
-        maxnreg=config.fwd_maxnreg(block_n, num_chunks, split, dropout_p > 0.0,
-                                   x1 is not None, elem_bytes, dev),
+        constexprs, num_warps, on_miss=on_miss, maxnreg=maxnreg,
     )  # fmt: skip
+
+
+# _fwd_run's key -> _fwd_plan's answer (emptied when a setting of config changes).
+_FWD_PLANS: dict = {}
+
+
+def _fwd_plan(
+    dev, n, x_dtype, y_dtype, residual_dtype, x1_dtype, residual_out_dtype, has_bias, has_w1,
+    has_b1, has_rowscale, has_layerscale, store_mask, dropout, is_rms_norm, zero_centered_weight,
+):  # fmt: skip
+    """The forward's launch choices for rows of ``n`` columns: ``(split, rows per program,
+    num_warps, maxnreg, constexprs)``; ``split`` > 1 spreads a row over that many programs."""
+    elem_bytes = max(
+        d.itemsize for d in (x_dtype, y_dtype, residual_dtype, x1_dtype, residual_out_dtype) if d
+    )
+    has_x1 = x1_dtype is not None
+    # "ln" / "rms" for a norm of x alone (no residual, x1 or dropout), which moves half the bytes
+    plain = ""
+    if not has_x1 and residual_dtype is None and not dropout:
+        plain = "rms" if is_rms_norm else "ln"
+    # What the row could be held in instead of fp32 (config.fwd_hold_kind), and whether it is.
+    kind = config.fwd_hold_kind(
+        x_dtype, residual_out_dtype, plain != "" and not has_rowscale and not has_layerscale
+    )
+    block_n, split = config.fwd_split(n, elem_bytes, dev, has_x1 or dropout)
+    lane = None
+    if split > 1:
+        num_chunks, rows = 1, 1
+        kernel_block, tail = block_n, 0
+        hold = config.fwd_hold(kind, split)
+        num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
+    else:
+        block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
+        kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
+        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
+        hold = False  # config.fwd_hold: split parts only
+    constexprs = dict(
+        BLOCK_N=kernel_block,
+        TAIL_N=tail,
+        NUM_CHUNKS=num_chunks,
+        IS_RMS_NORM=is_rms_norm,
+        JOINT_STATS=config.fwd_joint_stats(block_n, tail, elem_bytes, dropout, has_x1),
+        HAS_BIAS=has_bias,
+        HAS_RESIDUAL=residual_dtype is not None,
+        HAS_X1=has_x1,
+        HAS_W1=has_w1,
+        HAS_B1=has_b1,
+        HAS_ROWSCALE=has_rowscale,
+        HAS_LAYERSCALE=has_layerscale,
+        HAS_DROPOUT=dropout,
+        STORE_MASK=store_mask,
+        STORE_RESIDUAL_OUT=residual_out_dtype is not None,
+        ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        ROWS_PER_PROGRAM=rows,
+        SPLIT=split,
+        SPLIT_P2=config.next_power_of_2(split),
+        SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
+        BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
+        HOLD=hold,
+        EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
+        EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
+        UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
+    )
+    maxnreg = config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
+    return split, rows, num_warps, maxnreg, constexprs
 
 
 _fwd_op = torch.library.custom_op(
@@ -284,14 +322,16 @@ def _bwd_launch(
     dy: Tensor, dy1: Optional[Tensor], dresidual_out: Optional[Tensor], x0: Optional[Tensor],
     layerscale: Optional[Tensor], rowscale: Optional[Tensor], seeds: Optional[Tensor],
     dx: Tensor, dx1: Optional[Tensor], dresidual: Optional[Tensor], parts: Tensor,
-    c12: Optional[Tensor], has_bias: bool, has_b1: bool, dropout_p: float, is_rms_norm: bool,
-    zero_centered_weight: bool, block_n: int, num_chunks: int, tail: int, warps: int,
+    c12: Optional[Tensor], g0: Tensor, g1: Optional[Tensor], g2: Optional[Tensor],
+    g3: Optional[Tensor], g4: Optional[Tensor], has_bias: bool, has_b1: bool, dropout_p: float,
+    is_rms_norm: bool, zero_centered_weight: bool, block_n: int, num_chunks: int, tail: int,
+    warps: int, max_programs: int,
 ) -> None:  # fmt: skip
     """The backward launches (the body of the ``fused_norm::bwd`` custom op)."""
     _bwd_run(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-        dx, dx1, dresidual, parts, c12, has_bias, has_b1, dropout_p, is_rms_norm,
-        zero_centered_weight, block_n, num_chunks, tail, warps,
+        dx, dx1, dresidual, parts, c12, g0, g1, g2, g3, g4, has_bias, has_b1, dropout_p,
+        is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, max_programs,
     )  # fmt: skip
 
 
@@ -404,53 +444,83 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
     )
 
 
+def _bwd_kernel_plan(
+    dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
+    has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
+    partials, max_programs,
+):  # fmt: skip
+    """What _bwd_run launches with, beyond its arguments: ``(flags, stage_key, maxnreg)`` of
+    the backward kernel (_bwd_plan), the row-sums pre-pass's constexprs (None where the row
+    is one block or its blocks exchange their sums) and the partials' sum's (for the row
+    blocks of an unbounded row count, ``max_programs``). Tensors may be Stand-ins."""
+    flags, stage_key, maxnreg = _bwd_plan(
+        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
+        has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
+        tail, partials,
+    )  # fmt: skip
+    n = s.shape[-1]
+    sums = None
+    if num_chunks > 1 and not _exchanges(c12):  # rows wider than a block: c1, c2 first
+        sums_block, sums_chunks = config.block_config(
+            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES
+        )
+        sums = dict(
+            BLOCK_N=sums_block,
+            NUM_CHUNKS=sums_chunks,
+            IS_RMS_NORM=is_rms_norm,
+            HAS_W1=weight1 is not None,
+            ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        )
+    red_block, red_rows, red_stages = config.partials_sum_layout(n, partials, max_programs, dev)
+    red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
+    return flags, stage_key, maxnreg, sums, red
+
+
 def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-    dx, dx1, dresidual, parts, c12, has_bias, has_b1, dropout_p, is_rms_norm,
-    zero_centered_weight, block_n, num_chunks, tail, warps, warm=False,
+    dx, dx1, dresidual, parts, c12, g0, g1, g2, g3, g4, has_bias, has_b1, dropout_p,
+    is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, max_programs, warm=False,
+    kplan=None,
 ):  # fmt: skip
-    """Launch the backward, or with ``warm`` only start compiling its kernels (outputs may then
+    """Launch the backward and the sum of its partials into the gradients ``g0``.. (one per
+    partial, None beyond), or with ``warm`` only start compiling its kernels (outputs may then
     be :class:`~fused_norm.launch.Stand`-ins). ``parts`` is the ``(partials, programs, N)`` fp32
     buffer of the partial parameter gradients (dw, then db, dw1, db1, dls where present).
     ``block_n`` is the padded block, held as two (``block_n // 2`` then ``tail`` columns) where
-    ``tail`` > 0; fused_norm_bwd chose them."""
+    ``tail`` > 0; fused_norm_bwd chose them. ``kplan``: _bwd_kernel_plan's answer where the
+    caller has it."""
     m, n = s.shape
     if m == 0:
         return
     partials, programs = parts.shape[0], parts.shape[1]
     dev = s.device
-    exchange = _exchanges(c12)
-    if num_chunks > 1 and not exchange:  # rows wider than a block: their sums c1, c2 first
-        sums_block, sums_chunks = config.block_config(
-            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES
-        )
+    if kplan is None:
+        kplan = _bwd_kernel_plan(
+            dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+            c12, has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n,
+            num_chunks, tail, partials, max_programs,
+        )  # fmt: skip
+    flags, stage_key, maxnreg, sums, red = kplan
+    if sums is not None:
         (_SUMS.warm if warm else _SUMS)(
             (m,), dev,
             (s, dy, dy1, weight, weight1, mean, rstd, c12, s.stride(0), dy.stride(0),
              _stride0(dy1), n),
-            dict(
-                BLOCK_N=sums_block,
-                NUM_CHUNKS=sums_chunks,
-                IS_RMS_NORM=is_rms_norm,
-                HAS_W1=weight1 is not None,
-                ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            ),
-            config.BWD_SUMS_WARPS,
+            sums, config.BWD_SUMS_WARPS,
         )  # fmt: skip
-    flags, key, maxnreg = _bwd_plan(
-        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
-        has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
-        tail, partials,
-    )  # fmt: skip
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
         seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
     )  # fmt: skip
-    grid = (programs * num_chunks,) if exchange else (programs, num_chunks)
+    grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
+    red_grid = (-(-n // red["BLOCK_N"]), partials)
+    red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if warm:
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
+        _RED.warm(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
-    _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, key)
+    _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
+    _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
 
 
 def _fitting_stages(call, flags, stage_key):
@@ -463,6 +533,7 @@ def _fitting_stages(call, flags, stage_key):
         if flags["ROW_STAGES"] == 1:
             raise
         _STAGES_THAT_FIT[stage_key] = 1
+        _BWD_PLANS.clear()  # plans made before hold the stage count that did not fit
         return call({**flags, "ROW_STAGES": 1})
 
 
@@ -473,9 +544,75 @@ _STAGES_THAT_FIT: dict = {}
 _bwd_op = torch.library.custom_op(
     "fused_norm::bwd",
     _bwd_launch,
-    mutates_args=("dx", "dx1", "dresidual", "parts", "c12"),
+    mutates_args=("dx", "dx1", "dresidual", "parts", "c12", "g0", "g1", "g2", "g3", "g4"),
 )
 _bwd_op.register_fake(lambda *args, **kwargs: None)
+
+
+class _BwdPlan(NamedTuple):
+    """fused_norm_bwd's choices for one configuration, whatever the row count."""
+
+    own_dresidual: bool  # dresidual in a buffer of its own (else it is dx)
+    own_dx1: bool  # likewise dx1
+    partials: int  # parameter gradients accumulated (slabs of the partials' buffer)
+    layout: tuple  # (block_n, num_chunks, tail, warps) of config.bwd_launch_layout
+    c12: Optional[torch.dtype]  # int64 words of exchanged row sums, fp32 pre-pass sums, or None
+    max_programs: int  # row blocks of the grid for a row count without bound
+    kplan: tuple  # _bwd_kernel_plan's answer
+
+
+# fused_norm_bwd's key -> _BwdPlan (emptied when a setting of config changes).
+_BWD_PLANS: dict = {}
+config.DERIVED_CACHES.extend((_FWD_PLANS, _BWD_PLANS, _RESIDENT))
+
+
+def _bwd_make_plan(
+    dev, n, s, dy, dy1, dresidual_out, x0, weight, bias, weight1, bias1, layerscale, rowscale,
+    seeds, mean, rstd, dropout_p, is_rms_norm, zero_centered_weight, x_dtype, residual_dtype,
+    x1_dtype, ask_resident,
+):  # fmt: skip
+    """The _BwdPlan of fused_norm_bwd's arguments; without ``ask_resident`` (a warm-up, whose
+    kernel serves any grid, or no rows) it does not compile the kernel to ask how many of its
+    programs fit on the device at once."""
+    # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
+    dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
+    own_dres = residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype)
+    own_dx1 = x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype)
+    # The parameters whose gradients the kernel accumulates, in the order of their slabs.
+    partials = sum(t is not None for t in (weight, bias, weight1, bias1, layerscale))
+    elem_bytes = max(s.element_size(), dy.element_size(), x_dtype.itemsize)
+    dropout = dropout_p > 0.0
+    # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
+    plain = dresidual_out is None and not own_dres and not own_dx1 and not dropout
+    block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
+        n, elem_bytes, partials, dropout, plain, dev
+    )
+    c12 = torch.int64 if exchange else (torch.float32 if num_chunks > 1 else None)
+    # What the kernel is specialised on of the buffers allocated per call: their dtypes.
+    dx, dresidual, dx1 = (
+        Stand(d, (1, n)) if d is not None else None
+        for d in (x_dtype, residual_dtype if own_dres else None, x1_dtype if own_dx1 else None)
+    )
+    c12_stand = Stand(c12, (1, 2)) if c12 is not None else None
+    resident = 0
+    if (ask_resident and dev.type == "cuda" and config.BWD_RESIDENT_GRID
+            and not config.bwd_whole_waves(block_n, num_chunks, tail, partials, dropout, plain)):  # fmt: skip
+        # The persistent grid holds only programs that run at once (bwd_num_programs). A
+        # warm-up (from the forward) does not wait for this compile: its kernel serves any grid.
+        tensors = (s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale,
+                   rowscale, seeds, dx, dx1, dresidual)  # fmt: skip
+        dtypes = tuple(None if t is None else t.dtype for t in tensors) + (torch.float32, c12)
+        opts = (bias is not None, bias1 is not None, bool(is_rms_norm), bool(zero_centered_weight),
+                block_n, num_chunks, tail, partials, warps)  # fmt: skip
+        resident = _bwd_resident(dev, dtypes, n, dropout, opts)
+    max_programs = config.bwd_num_programs(1 << 62, dev, warps, num_chunks, resident)
+    kplan = _bwd_kernel_plan(
+        dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
+        c12_stand, bias is not None, bias1 is not None, dropout_p, is_rms_norm,
+        zero_centered_weight, block_n, num_chunks, tail, partials, max_programs,
+    )  # fmt: skip
+    layout = (block_n, num_chunks, tail, warps)
+    return _BwdPlan(own_dres, own_dx1, partials, layout, c12, max_programs, kplan)
 
 
 def fused_norm_bwd(
@@ -500,76 +637,71 @@ def fused_norm_bwd(
         return None
     dev = s.device
     x_dtype = x_dtype or s.dtype
+    compiling = torch.compiler.is_compiling()
+    cached = not (warm or compiling or m == 0)
+    plan = None
+    if cached:
+        # Everything the plan depends on: the dtypes (None where absent) and the flags.
+        key = (
+            dev, n, s.dtype, dy.dtype, x_dtype, residual_dtype, x1_dtype,
+            None if dy1 is None else dy1.dtype,
+            None if dresidual_out is None else dresidual_out.dtype,
+            None if x0 is None else x0.dtype, weight.dtype,
+            None if bias is None else bias.dtype, None if weight1 is None else weight1.dtype,
+            None if bias1 is None else bias1.dtype,
+            None if layerscale is None else layerscale.dtype,
+            None if rowscale is None else rowscale.dtype, seeds is not None, mean is not None,
+            dropout_p > 0.0, is_rms_norm, zero_centered_weight,
+        )  # fmt: skip
+        plan = _BWD_PLANS.get(key)
+    if plan is None:
+        plan = _bwd_make_plan(
+            dev, n, s, dy, dy1, dresidual_out, x0, weight, bias, weight1, bias1, layerscale,
+            rowscale, seeds, mean, rstd, dropout_p, is_rms_norm, zero_centered_weight, x_dtype,
+            residual_dtype, x1_dtype, not warm and m > 0,
+        )  # fmt: skip
+        if cached:
+            _BWD_PLANS[key] = plan
+    block_n, num_chunks, tail, warps = plan.layout
 
     def empty(shape, dtype):
         return Stand(dtype, shape) if warm else torch.empty(shape, dtype=dtype, device=dev)
 
     dx = empty((m, n), x_dtype)
-    # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
-    dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
-    dresidual = None
-    if residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype):
-        dresidual = empty((m, n), residual_dtype)
-    dx1 = None
-    if x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype):
-        dx1 = empty((m, n), x1_dtype)
-    # The parameters whose gradients the kernel accumulates, in the order of their slabs.
-    params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
-    partials = len(params)
-    elem_bytes = max(s.element_size(), dy.element_size(), dx.element_size())
-    dropout = dropout_p > 0.0
-    # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
-    plain = dresidual_out is None and dresidual is None and dx1 is None and not dropout
-    block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
-        n, elem_bytes, partials, dropout, plain, dev
-    )
+    dresidual = empty((m, n), residual_dtype) if plan.own_dresidual else None
+    dx1 = empty((m, n), x1_dtype) if plan.own_dx1 else None
     c12 = None
-    if exchange:  # words of the row sums, -1 until published
+    if plan.c12 == torch.int64:  # words of the row sums, -1 until published
         c12 = (
             Stand(torch.int64, (m, num_chunks))
             if warm
             else torch.full((m, num_chunks), -1, dtype=torch.int64, device=dev)
         )
-    elif num_chunks > 1:
+    elif plan.c12 is not None:
         c12 = empty((m, 2), torch.float32)
-    resident = 0
-    if (not warm and m > 0 and dev.type == "cuda" and config.BWD_RESIDENT_GRID
-            and not config.bwd_whole_waves(block_n, num_chunks, tail, partials, dropout, plain)):  # fmt: skip
-        # The persistent grid holds only programs that run at once (bwd_num_programs). A
-        # warm-up (from the forward) does not wait for this compile: its kernel serves any grid.
-        tensors = (s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale,
-                   rowscale, seeds, dx, dx1, dresidual)  # fmt: skip
-        dtypes = tuple(None if t is None else t.dtype for t in tensors) + (
-            torch.float32, None if c12 is None else c12.dtype  # parts, c12
+    params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
+    if m == 0 and not warm:  # nothing launches
+        grads = [torch.zeros((n,), dtype=p.dtype, device=dev) for p in params]
+    else:
+        programs = max(min(plan.max_programs, m), 1)
+        parts = empty((plan.partials, programs, n), torch.float32)
+        # Each gradient in its parameter's dtype, in storage of its own (not views of one
+        # tensor); the partials' sum writes them (g0.., in the order of the slabs).
+        grads = [empty((n,), p.dtype) for p in params]
+        g = grads + [None] * (5 - len(grads))
+        args = (
+            s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+            seeds, dx, dx1, dresidual, parts, c12, *g, bias is not None, bias1 is not None,
+            float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n,
+            num_chunks, tail, warps, plan.max_programs,
         )  # fmt: skip
-        opts = (bias is not None, bias1 is not None, bool(is_rms_norm), bool(zero_centered_weight),
-                block_n, num_chunks, tail, partials, warps)  # fmt: skip
-        resident = _bwd_resident(dev, dtypes, n, dropout, opts)
-    programs = config.bwd_num_programs(m, dev, warps, num_chunks, resident)
-    if m == 0:  # nothing launches: the partials must already hold the (zero) sums
-        parts = torch.zeros((partials, programs, n), dtype=torch.float32, device=dev)
-    else:  # every program writes its block of each slab once
-        parts = empty((partials, programs, n), torch.float32)
-    args = (
-        s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-        dx, dx1, dresidual, parts, c12, bias is not None, bias1 is not None, float(dropout_p),
-        bool(is_rms_norm), bool(zero_centered_weight), block_n, num_chunks, tail, warps,
-    )  # fmt: skip
-    if warm:
-        _bwd_run(*args, warm=True)
-        return None
-    if torch.compiler.is_compiling():
-        _bwd_op(*args)
-    else:
-        _bwd_run(*args)
-
-    # One reduction over the programs for all the partials (each its own reduction, and a cast
-    # each, cost 7-45 us more per backward on an H200: bench/NOTES.md #34); then each gradient
-    # in its parameter's dtype, in storage of its own (not views of one tensor).
-    if partials == 1:
-        grads = [parts[0].sum(0).to(weight.dtype)]
-    else:
-        grads = [g.to(p.dtype, copy=True) for g, p in zip(parts.sum(1).unbind(0), params)]
+        if warm:
+            _bwd_run(*args, warm=True, kplan=plan.kplan)
+            return None
+        if compiling:
+            _bwd_op(*args)
+        else:
+            _bwd_run(*args, kplan=plan.kplan)
     dw, db, dw1, db1, dls = (
         grads.pop(0) if p is not None else None for p in (weight, bias, weight1, bias1, layerscale)
     )

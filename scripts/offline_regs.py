@@ -96,6 +96,7 @@ class OfflineCompile:
 ops._FWD = OfflineCompile(ops._fused_norm_fwd_kernel)
 ops._BWD = OfflineCompile(ops._fused_norm_bwd_kernel)
 ops._SUMS = OfflineCompile(ops._bwd_row_sums_kernel)
+ops._RED = OfflineCompile(ops._sum_partials_kernel)
 
 
 def run(direction, workload, n, dtype="bf16", res32=False, m=8448):

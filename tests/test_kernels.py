@@ -420,3 +420,33 @@ def test_legacy_rowscale_layerscale(is_rms_norm, dtype, device):
                 layerscale=True, dropout_p=0.1, prenorm=True, seed=9)  # fmt: skip
     _, grads, _ = check_case(case, "legacy", device=device)
     assert grads["layerscale"] is not None and grads["layerscale"].shape == (50,)
+
+
+@pytest.mark.parametrize(
+    "partials, programs, n, block_n, block_p, stages",
+    [(1, 5, 37, 16, 4, 1), (2, 17, 16, 16, 8, 3), (5, 300, 70, 32, 64, 3), (4, 9, 300, 256, 16, 1)],
+)
+def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
+    """kernels._sum_partials_kernel: each slab of the backward's fp32 partials summed over its
+    row blocks (a count that is not a multiple of the tile, pipelined or not; widths past the
+    last column block) and cast to its own gradient's dtype, as fp64 sums rounded to it are to
+    within fp32's summation error."""
+    from fused_norm import ops
+
+    torch.manual_seed(partials)
+    dev = torch.device(device)
+    parts = torch.randn(partials, programs, n, device=dev) * 4
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16)
+    grads = [torch.full((n,), float("nan"), dtype=d, device=dev) for d in dtypes[:partials]]
+    ops._RED(
+        (-(-n // block_n), partials), dev, (parts, *grads, *[None] * (5 - partials), programs, n),
+        dict(BLOCK_N=block_n, BLOCK_P=block_p, PARTIALS=partials, STAGES=stages),
+        config.PARTIALS_SUM_WARPS,
+    )  # fmt: skip
+    for k, g in enumerate(grads):
+        want = parts[k].double().sum(0)
+        # fp32 summation: at most programs * 2**-24 * sum |x| apart, before the final rounding
+        bound = programs * 2.0**-24 * parts[k].double().abs().sum(0) + 1e-30
+        ulp = torch.finfo(g.dtype).eps * want.abs()
+        assert g.dtype == dtypes[k]
+        assert ((g.double() - want).abs() <= bound + ulp).all(), k

@@ -96,7 +96,7 @@ def test_direct_launch_equals_jit_launch(monkeypatch, rows):
             outs = []
             for _ in range(3):  # the first call of a key goes through kernel[grid] anyway
                 with monkeypatch.context() as mp:
-                    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+                    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
                         mp.setattr(lau, "fast", fast and lau.fast)
                     torch.manual_seed(1)
                     outs.append(_step(x, w, b, res, dy))
@@ -133,7 +133,7 @@ def test_backward_compiles_during_first_forward(monkeypatch):
                                       zero_centered_weight=True)  # fmt: skip
         return (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
 
-    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
         monkeypatch.setattr(lau, "cache", {})
         monkeypatch.setattr(lau, "pending", {})
     torch.manual_seed(1)
@@ -143,7 +143,7 @@ def test_backward_compiles_during_first_forward(monkeypatch):
     got = (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
     assert not ops._BWD.pending, "the backward launched a kernel other than the one warmed up"
     assert len(ops._BWD.cache) == 1
-    for lau in (ops._FWD, ops._BWD, ops._SUMS):
+    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
         monkeypatch.setattr(lau, "fast", False)
     torch.manual_seed(1)
     want = run()
@@ -342,3 +342,54 @@ def test_loose_integers_share_a_key():
             "M",
             "rows_per_program",
         }
+
+
+def test_launch_plans_are_kept_per_configuration_until_a_setting_changes(monkeypatch):
+    """ops makes its launch choices once per configuration (device, width, dtypes, flags) and
+    keeps them: another row count reuses them, another width or flag makes its own, and
+    assigning any setting of config empties them, so that a sweep's or a test's setting is
+    never met by a plan made before it."""
+    from fused_norm import config
+
+    if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
+    w = torch.randn(48, device=DEVICE, requires_grad=True)
+
+    def step(rows, n=48, dropout_p=0.0):
+        x = torch.randn(rows, n, device=DEVICE, requires_grad=True)
+        y = fused_norm.rms_norm_fn(x, w[:n], None, dropout_p=dropout_p)
+        y.sum().backward()
+
+    config.settings_changed()
+    assert not ops._FWD_PLANS and not ops._BWD_PLANS
+    step(3)
+    fwd, bwd = dict(ops._FWD_PLANS), dict(ops._BWD_PLANS)
+    assert len(fwd) == 1 and len(bwd) == 1
+    step(5)  # another row count: the same plans
+    assert ops._FWD_PLANS == fwd and ops._BWD_PLANS == bwd
+    step(3, dropout_p=0.1)  # another configuration: plans of its own
+    assert len(ops._FWD_PLANS) == 2 and len(ops._BWD_PLANS) == 2
+    monkeypatch.setattr(config, "BWD_TILE_BYTES", config.BWD_TILE_BYTES)
+    assert not ops._FWD_PLANS and not ops._BWD_PLANS and not ops._RESIDENT
+    step(3)
+    assert len(ops._FWD_PLANS) == 1 and len(ops._BWD_PLANS) == 1
+
+
+def test_launch_plan_follows_a_setting_changed_between_calls():
+    """A setting changed between two calls of one configuration takes effect on the second
+    (here the forward's rows per program, which the kernel receives as a constexpr)."""
+    from _helpers import patched_config
+
+    from fused_norm import config
+
+    if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
+    x = torch.randn(6, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    fused_norm.layer_norm_fn(x, w, None)
+    (plan,) = ops._FWD_PLANS.values()
+    assert plan[1] == config.fwd_rows_per_program(64, 1, "ln") > 1
+    with patched_config(FWD_ROWS_PER_PROGRAM=1):
+        fused_norm.layer_norm_fn(x, w, None)
+        (plan,) = ops._FWD_PLANS.values()
+        assert plan[1] == 1 and plan[4]["ROWS_PER_PROGRAM"] == 1
