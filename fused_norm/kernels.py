@@ -1196,6 +1196,15 @@ def _fused_norm_bwd_kernel(
 
 
 @triton.jit
+def _store_gradient(G, j: tl.constexpr, k, cols, total, col_ok, PARTIALS: tl.constexpr):
+    """_sum_partials_kernel's store of slab ``k``'s sum into gradient ``j`` (G), if that slab is
+    ``j`` (gradients past PARTIALS are None and never stored)."""
+    if j < PARTIALS:
+        if k == j:
+            tl.store(G + cols, total.to(G.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
 def _sum_partials_kernel(
     PARTS, G0, G1, G2, G3, G4, programs, N,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PARTIALS: tl.constexpr, STAGES: tl.constexpr,
@@ -1214,17 +1223,8 @@ def _sum_partials_kernel(
         offs = p[:, None].to(tl.int64) * N + cols[None, :]
         acc += tl.load(slab + offs, mask=(p < programs)[:, None] & col_ok[None, :], other=0.0)
     total = tl.sum(acc, axis=0)
-    if k == 0:
-        tl.store(G0 + cols, total.to(G0.dtype.element_ty), mask=col_ok)
-    if PARTIALS > 1:
-        if k == 1:
-            tl.store(G1 + cols, total.to(G1.dtype.element_ty), mask=col_ok)
-    if PARTIALS > 2:
-        if k == 2:
-            tl.store(G2 + cols, total.to(G2.dtype.element_ty), mask=col_ok)
-    if PARTIALS > 3:
-        if k == 3:
-            tl.store(G3 + cols, total.to(G3.dtype.element_ty), mask=col_ok)
-    if PARTIALS > 4:
-        if k == 4:
-            tl.store(G4 + cols, total.to(G4.dtype.element_ty), mask=col_ok)
+    _store_gradient(G0, 0, k, cols, total, col_ok, PARTIALS)
+    _store_gradient(G1, 1, k, cols, total, col_ok, PARTIALS)
+    _store_gradient(G2, 2, k, cols, total, col_ok, PARTIALS)
+    _store_gradient(G3, 3, k, cols, total, col_ok, PARTIALS)
+    _store_gradient(G4, 4, k, cols, total, col_ok, PARTIALS)
