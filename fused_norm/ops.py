@@ -39,6 +39,12 @@ _BWD = Launcher(_fused_norm_bwd_kernel)
 _SUMS = Launcher(_bwd_row_sums_kernel)
 _RED = Launcher(_sum_partials_kernel)
 
+
+def launchers() -> tuple:
+    """The launchers of every kernel ops launches (read when called: a sweep may replace one)."""
+    return _FWD, _BWD, _SUMS, _RED
+
+
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TORCH_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
@@ -176,7 +182,7 @@ def _fwd_run(
         grid = (m * split,)
         ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
     else:
-        grid = (-(-m // rows),)
+        grid = (config.cdiv(m, rows),)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
@@ -513,7 +519,7 @@ def _bwd_run(
         seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
-    red_grid = (-(-n // red["BLOCK_N"]), partials)
+    red_grid = (config.cdiv(n, red["BLOCK_N"]), partials)
     red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if warm:
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)

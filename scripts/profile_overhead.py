@@ -75,7 +75,7 @@ def step_of(fwd, leaves):
 
 
 def set_fast(on):
-    for launcher in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
+    for launcher in ops.launchers():
         launcher.fast = on and launch.FAST_LAUNCH
 
 

@@ -96,7 +96,7 @@ def test_direct_launch_equals_jit_launch(monkeypatch, rows):
             outs = []
             for _ in range(3):  # the first call of a key goes through kernel[grid] anyway
                 with monkeypatch.context() as mp:
-                    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
+                    for lau in ops.launchers():
                         mp.setattr(lau, "fast", fast and lau.fast)
                     torch.manual_seed(1)
                     outs.append(_step(x, w, b, res, dy))
@@ -133,7 +133,7 @@ def test_backward_compiles_during_first_forward(monkeypatch):
                                       zero_centered_weight=True)  # fmt: skip
         return (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
 
-    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
+    for lau in ops.launchers():
         monkeypatch.setattr(lau, "cache", {})
         monkeypatch.setattr(lau, "pending", {})
     torch.manual_seed(1)
@@ -143,7 +143,7 @@ def test_backward_compiles_during_first_forward(monkeypatch):
     got = (y, r) + torch.autograd.grad((y, r), (x, w, res), (dy, dres))
     assert not ops._BWD.pending, "the backward launched a kernel other than the one warmed up"
     assert len(ops._BWD.cache) == 1
-    for lau in (ops._FWD, ops._BWD, ops._SUMS, ops._RED):
+    for lau in ops.launchers():
         monkeypatch.setattr(lau, "fast", False)
     torch.manual_seed(1)
     want = run()
