@@ -388,7 +388,7 @@ def main():
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
                         f"block={bn}x{nc} stages={st or 'auto'} "
-                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device)} "
+                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device, tl_, bw_, eb)} "
                         f"tail={tl_} exchange={exch_}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, dtype, device, mode)

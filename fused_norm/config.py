@@ -263,6 +263,12 @@ FWD_DROPOUT_MAXNREG = 64
 # lost 21 points under caps of 96-128, the x1 path with bf16 weights 3), so it stays where
 # measured.
 BWD_DROPOUT_MAXNREG = 128
+# add + RMSNorm's backward in one padded 8192-column block of 16-bit rows (4097-8192 columns,
+# bwd_layout), on 16 warps: 105 registers held one program per SM, capped at 64 two fit, with
+# no spills (offline, triton 3.6, sm_90; fp32 rows spill 64 bytes, an fp32 stream 112). Graph
+# replay, H200, 2026-11-24 (bench/NOTES.md #53), two runs each: bf16 8192 columns 79.6 ->
+# 97.1-98.2% of copy, fp16 80.0 -> 98.4%, 7168 75.9 -> 96.5%; fp32 rows lost (94.1 -> 81.9%).
+BWD_WIDE_ONE_PARTIAL_MAXNREG = 64
 
 
 def _nvidia(device: torch.device) -> bool:
@@ -328,11 +334,20 @@ def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1:
 
 
 def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
-                device: torch.device):  # fmt: skip
+                device: torch.device, tail: int = 0, warps: int = 0,
+                elem_bytes: int = 2):  # fmt: skip
     """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for
-    one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm)."""
-    if block_n == 1024 and num_chunks == 1 and dropout and partials == 2 and _nvidia(device):
+    one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm); and
+    BWD_WIDE_ONE_PARTIAL_MAXNREG for one padded 8192-column block on 16 warps with one
+    partial and no dropout whose row tensors (``elem_bytes``, the widest) are 16-bit: add +
+    RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block)."""
+    if not (num_chunks == 1 and _nvidia(device)):
+        return None
+    if block_n == 1024 and dropout and partials == 2:
         return BWD_DROPOUT_MAXNREG
+    if (block_n == 8192 and not tail and warps == 16 and partials == 1 and not dropout
+            and elem_bytes <= 2):  # fmt: skip
+        return BWD_WIDE_ONE_PARTIAL_MAXNREG
     return None
 
 
@@ -433,7 +448,12 @@ def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
 
 
 def bwd_num_warps(
-    block_n: int, partials: int = 1, dropout: bool = False, tail: int = 0, plain: bool = False
+    block_n: int,
+    partials: int = 1,
+    dropout: bool = False,
+    tail: int = 0,
+    plain: bool = False,
+    elem_bytes: int = 2,
 ) -> int:
     """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
     Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
@@ -449,7 +469,8 @@ def bwd_num_warps(
     512: 53 -> 71%).
 
     Two blocks of a padded 8192 (``tail`` > 0, bench/NOTES.md #27, 5120 columns): 16 warps with
-    one partial (RMSNorm 81% vs 68% with 8), 4 with two (dropout + add + LayerNorm 84% vs 72%
+    one partial (RMSNorm 81% vs 68% with 8 then; since #53 RMSNorm of x alone takes 8 and add +
+    RMSNorm one padded block), 4 with two (dropout + add + LayerNorm 84% vs 72%
     with 8, LayerNorm 80% vs 64%), 8 with four (the x1 path 65% vs 54% with 4). Two blocks of
     a padded 16384 (two partials: bwd_block_config): 16 (LayerNorm at 12288: 62% vs 47% with
     32; bench/NOTES.md #30).
@@ -459,17 +480,33 @@ def bwd_num_warps(
     two sessions' sweeps (bench/NOTES.md #30); add + RMSNorm prenorm keeps 16 (4: 81%, 16:
     78%, 8: 53%). Its 4096-column block with one partial takes 4 (RMSNorm bf16 85 -> 90%,
     fp16 75 -> 89%: on 8 warps fp16 took 72 registers, past 64; bench/NOTES.md #41), where
-    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%)."""
+    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%).
+
+    Graph-replay sweeps of 2026-11-24 (H200, bench/NOTES.md #53), two runs each: RMSNorm of x
+    alone held as two blocks (5120 = 4096 + 1024) on 8 warps instead of 16, bf16 82.3 -> 94.7%,
+    fp16 82.9 -> 94.6%, fp32 92.8 -> 96.5%; 1024-column rows of 16-bit elements without
+    dropout and with at most two partials on 2 warps instead of 4: LayerNorm bf16 85.4 ->
+    91.0%, fp16 86.8 -> 91.5%, RMSNorm 90.4 -> 92.3%, add + RMSNorm 88.4 -> 97.0% (fp32 rows
+    keep 4: 97.7 vs 96.0% for LayerNorm; at 2048 columns 2 warps lost, LayerNorm 87.3 ->
+    78.9%); 512-column rows without dropout on 1 warp instead of 2, but for RMSNorm of x
+    alone: add + RMSNorm bf16 90.4 -> 93.9%, fp32 96.6 -> 97.9%, LayerNorm bf16 88.2 -> 90.1%
+    (six runs each; fp32 93.6% either way), RMSNorm bf16 91.8 -> 89.3% (it keeps 2)."""
     if tail:  # two blocks of a padded 8192 or 16384, from the sweeps of TAIL_BLOCKS
         if block_n > 8192:
             return 16
-        return 16 if partials == 1 else (8 if partials >= 4 else 4)
+        if partials == 1:
+            return 8 if plain else 16
+        return 8 if partials >= 4 else 4
     if plain and partials == 1 and block_n in (4096, 8192):
         return block_n // 1024
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
+    if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:
+        return 2
     if block_n <= 256:
         return 2 if dropout else 1
+    if block_n == 512 and partials <= 2 and not dropout and not (plain and partials == 1):
+        return 1
     if block_n <= 512:  # with dropout in tiles of rows (bwd_tile_rows): 87% vs 83% with 4
         return 2
     return min(max(block_n // 512, 4), 32)
@@ -660,9 +697,16 @@ def bwd_layout(
     its first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
     block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout, exchange)
     tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout)[1]
+    if (tail and TAIL_BLOCKS == "measured" and block_n == 8192 and partials == 1
+            and not plain and not dropout and elem_bytes <= 2):  # fmt: skip
+        # add + RMSNorm: the padded block under its register cap (bwd_maxnreg) beat two blocks,
+        # bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows
+        # keep them, 90.3 vs 77%; bench/NOTES.md #53)
+        tail = 0
     if num_chunks > 1 and exchange:
         return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS
-    return block_n, num_chunks, tail, bwd_num_warps(block_n, partials, dropout, tail, plain)
+    warps = bwd_num_warps(block_n, partials, dropout, tail, plain, elem_bytes)
+    return block_n, num_chunks, tail, warps
 
 
 # The backward's persistent grid holds no more programs than fit on the device at once, as the

@@ -351,7 +351,7 @@ def _exchanges(c12) -> bool:
 def _bwd_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
-    partials,
+    partials, warps,
 ):  # fmt: skip
     """(constexprs, stage_key, maxnreg) of the backward kernel: its flags with the pipeline's
     stage count (ROW_STAGES, last), the key under which a stage count that did not fit is
@@ -389,7 +389,11 @@ def _bwd_plan(
         ),
         ROW_STAGES=stages,
     )
-    return flags, key, config.bwd_maxnreg(block_n, num_chunks, dropout_p > 0.0, partials, dev)
+    wide = max(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
+    maxnreg = config.bwd_maxnreg(
+        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, wide
+    )
+    return flags, key, maxnreg
 
 
 def _bwd_args(
@@ -439,7 +443,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
     has_bias, has_b1, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps = opts
     flags, key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
-        has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials,
+        has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps,
     )  # fmt: skip
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds, dx,
@@ -453,7 +457,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
 def _bwd_kernel_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
-    partials, max_programs,
+    partials, warps, max_programs,
 ):  # fmt: skip
     """What _bwd_run launches with, beyond its arguments: ``(flags, stage_key, maxnreg)`` of
     the backward kernel (_bwd_plan), the row-sums pre-pass's constexprs (None where the row
@@ -462,7 +466,7 @@ def _bwd_kernel_plan(
     flags, stage_key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
-        tail, partials,
+        tail, partials, warps,
     )  # fmt: skip
     n = s.shape[-1]
     sums = None
@@ -500,12 +504,21 @@ def _bwd_run(
         return
     partials, programs = parts.shape[0], parts.shape[1]
     dev = s.device
-    if kplan is None:
-        kplan = _bwd_kernel_plan(
-            dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
-            c12, has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n,
-            num_chunks, tail, partials, max_programs,
+    if kplan is None:  # the custom op's body (torch.compile): plans kept by its arguments
+        key = (
+            dev, n, block_n, num_chunks, tail, warps, max_programs, partials, has_bias, has_b1,
+            dropout_p > 0.0, is_rms_norm, zero_centered_weight,
+            *(None if t is None else t.dtype
+              for t in (s, weight1, mean, dy, dy1, dresidual_out, x0, layerscale, rowscale,
+                        dx1, dresidual, c12)),
         )  # fmt: skip
+        kplan = _OP_KPLANS.get(key)
+        if kplan is None:
+            kplan = _OP_KPLANS[key] = _bwd_kernel_plan(
+                dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1,
+                dresidual, c12, has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight,
+                block_n, num_chunks, tail, partials, warps, max_programs,
+            )  # fmt: skip
     flags, stage_key, maxnreg, sums, red = kplan
     if sums is not None:
         (_SUMS.warm if warm else _SUMS)(
@@ -540,11 +553,16 @@ def _fitting_stages(call, flags, stage_key):
             raise
         _STAGES_THAT_FIT[stage_key] = 1
         _BWD_PLANS.clear()  # plans made before hold the stage count that did not fit
+        _OP_KPLANS.clear()
         return call({**flags, "ROW_STAGES": 1})
 
 
 # (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.
 _STAGES_THAT_FIT: dict = {}
+
+# The custom op's arguments that select the kernels (_bwd_run's key) -> _bwd_kernel_plan's
+# answer, for the op's body under torch.compile, which gets no _BwdPlan (emptied as those are).
+_OP_KPLANS: dict = {}
 
 
 _bwd_op = torch.library.custom_op(
@@ -569,7 +587,7 @@ class _BwdPlan(NamedTuple):
 
 # fused_norm_bwd's key -> _BwdPlan (emptied when a setting of config changes).
 _BWD_PLANS: dict = {}
-config.DERIVED_CACHES.extend((_FWD_PLANS, _BWD_PLANS, _RESIDENT))
+config.DERIVED_CACHES.extend((_FWD_PLANS, _BWD_PLANS, _OP_KPLANS, _RESIDENT))
 
 
 def _bwd_make_plan(
@@ -615,7 +633,7 @@ def _bwd_make_plan(
     kplan = _bwd_kernel_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
         c12_stand, bias is not None, bias1 is not None, dropout_p, is_rms_norm,
-        zero_centered_weight, block_n, num_chunks, tail, partials, max_programs,
+        zero_centered_weight, block_n, num_chunks, tail, partials, warps, max_programs,
     )  # fmt: skip
     layout = (block_n, num_chunks, tail, warps)
     return _BwdPlan(own_dres, own_dx1, partials, layout, c12, max_programs, kplan)

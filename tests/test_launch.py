@@ -8,6 +8,8 @@ on inputs that change the specialisation (misaligned pointers, a single row).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from _helpers import DEVICE
@@ -248,6 +250,14 @@ def test_register_caps_only_where_measured():
     for args in ((1024, 1, True, 2, cpu), (1024, 1, True, 4, gpu), (1024, 1, False, 2, gpu),
                  (4096, 1, True, 2, gpu), (512, 1, True, 2, gpu)):  # fmt: skip
         assert config.bwd_maxnreg(*args) is None, args
+    # add + RMSNorm's padded 8192-column block on 16 warps, 16-bit rows (bench/NOTES.md #53):
+    # (block_n, num_chunks, dropout, partials, device, tail, warps, elem_bytes)
+    assert config.bwd_maxnreg(8192, 1, False, 1, gpu, 0, 16, 2) == (64 if expected else None)
+    for args in ((8192, 1, False, 1, cpu, 0, 16, 2), (8192, 1, False, 1, gpu, 0, 16, 4),
+                 (8192, 1, False, 1, gpu, 0, 8, 2), (8192, 1, True, 1, gpu, 0, 16, 2),
+                 (8192, 1, False, 2, gpu, 0, 16, 2), (8192, 1, False, 1, gpu, 1024, 16, 2),
+                 (8192, 2, False, 1, gpu, 0, 16, 2), (16384, 1, False, 1, gpu, 0, 32, 2)):  # fmt: skip
+        assert config.bwd_maxnreg(*args) is None, args
 
 
 def test_backward_warps_of_a_plain_rmsnorm():
@@ -259,6 +269,64 @@ def test_backward_warps_of_a_plain_rmsnorm():
     assert config.bwd_num_warps(8192, 1, plain=True) == 8
     assert config.bwd_num_warps(4096, 1) == 8
     assert config.bwd_num_warps(4096, 2, plain=True) == 8
+
+
+def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
+    """bench/NOTES.md #53: add + RMSNorm (one partial, not a norm of x alone) of 16-bit rows of
+    4097-8192 columns takes the padded 8192 block on 16 warps (under the register cap of
+    bwd_maxnreg) instead of two blocks; fp32 rows and dropout keep two blocks where they had
+    them. RMSNorm of x alone holds its two blocks on 8 warps."""
+    from _helpers import patched_config
+
+    from fused_norm import config
+
+    # bwd_layout(n_cols, elem_bytes, partials, dropout, plain) -> (block, chunks, tail, warps)
+    for n in (5120, 6144, 8192):
+        assert config.bwd_layout(n, 2, 1, False, False) == (8192, 1, 0, 16), n
+    assert config.bwd_layout(5120, 4, 1, False, False) == (8192, 1, 1024, 16)  # fp32
+    assert config.bwd_layout(5120, 2, 1, True, False)[2] == 1024  # dropout: two blocks
+    assert config.bwd_layout(5120, 2, 1, False, True) == (8192, 1, 1024, 8)  # plain RMSNorm
+    assert config.bwd_layout(5120, 2, 2, False, True)[2] == 1024  # LayerNorm unchanged
+    with patched_config(TAIL_BLOCKS=True):  # forced two blocks (sweeps) stay two blocks
+        assert config.bwd_layout(5120, 2, 1, False, False)[2] == 1024
+
+
+def test_backward_warps_of_512_and_1k_rows():
+    """bench/NOTES.md #53: rows of 1024 16-bit columns without dropout and with at most two
+    partials take 2 warps; fp32 rows, dropout and the x1 path keep theirs. At 512 columns
+    the same rows take 1 warp, but for RMSNorm of x alone."""
+    from fused_norm import config
+
+    for partials in (1, 2):
+        for plain in (True, False):
+            assert config.bwd_num_warps(1024, partials, plain=plain) == 2
+        assert config.bwd_num_warps(1024, partials, elem_bytes=4) == 4
+        assert config.bwd_num_warps(1024, partials, dropout=True) == 4
+    assert config.bwd_num_warps(1024, 4) == 2  # the x1 path, as before
+    assert config.bwd_num_warps(2048, 2) == 4
+    # 512 columns without dropout: 1 warp, but RMSNorm of x alone keeps 2
+    assert config.bwd_num_warps(512, 2, plain=True) == 1
+    assert config.bwd_num_warps(512, 1) == 1
+    assert config.bwd_num_warps(512, 1, plain=True) == 2
+    assert config.bwd_num_warps(512, 2, dropout=True) == 2
+
+
+def test_backward_register_cap_reaches_the_launch(monkeypatch):
+    """ops hands bwd_maxnreg the warps and the widest row tensor of the configuration: add +
+    RMSNorm's 8192-column backward of bf16 rows is capped on an NVIDIA GPU, of fp32 rows not."""
+    from fused_norm import config
+    from fused_norm.launch import Stand
+
+    monkeypatch.setattr(config, "_nvidia", lambda device: True)
+    gpu = torch.device("cuda")
+
+    def maxnreg(dtype):
+        t = Stand(dtype, (1, 8192))
+        return ops._bwd_plan(gpu, t, t, None, t, None, None, None, None, None, None, None,
+                             False, False, 0.0, True, False, 8192, 1, 0, 1, 16)[2]  # fmt: skip
+
+    assert maxnreg(torch.bfloat16) == 64
+    assert maxnreg(torch.float32) is None
 
 
 def test_backward_exchange_layout(monkeypatch):
@@ -393,3 +461,47 @@ def test_launch_plan_follows_a_setting_changed_between_calls():
         fused_norm.layer_norm_fn(x, w, None)
         (plan,) = ops._FWD_PLANS.values()
         assert plan[1] == 1 and plan[4]["ROWS_PER_PROGRAM"] == 1
+
+
+def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
+    """Under torch.compile the backward runs as the custom op fused_norm::bwd, whose body gets
+    no saved plan: it keeps _bwd_kernel_plan's answer by the op's arguments (ops._OP_KPLANS),
+    made once per configuration and emptied with the other plans when a setting changes; the
+    gradients equal those of the eager path."""
+    from fused_norm import config
+
+    if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
+    torch.manual_seed(0)
+    x = torch.randn(5, 48, device=DEVICE)
+    w = torch.randn(48, device=DEVICE)
+    b = torch.randn(48, device=DEVICE)
+    y, _, _, mean, rstd, _, _ = ops.fused_norm_fwd(
+        x, w, b, None, None, None, None, None, None, None, 1e-5, 0.0, False, False, x.dtype,
+        x.dtype, store_residual_out=False,
+    )  # fmt: skip
+    dy = torch.randn_like(y)
+
+    def bwd():
+        return ops.fused_norm_bwd(dy, x, w, b, None, None, mean, rstd)
+
+    eager = bwd()
+    made = []  # plans the op's body made (fused_norm_bwd makes its own while tracing)
+    plan = ops._bwd_kernel_plan
+
+    def counted(*args):
+        made.append(sys._getframe(1).f_code.co_name == "_bwd_run")
+        return plan(*args)
+
+    monkeypatch.setattr(ops, "_bwd_kernel_plan", counted)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    config.settings_changed()
+    first, second = bwd(), bwd()
+    assert sum(made) == 1 and len(ops._OP_KPLANS) == 1
+    for a, e in ((first, eager), (second, eager)):
+        for t, u in zip(a, e):
+            assert (t is None) == (u is None)
+            if t is not None:
+                torch.testing.assert_close(t, u, rtol=0, atol=0)
+    config.settings_changed()
+    assert not ops._OP_KPLANS
