@@ -703,6 +703,12 @@ def bwd_layout(
         # bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows
         # keep them, 90.3 vs 77%; bench/NOTES.md #53)
         tail = 0
+    if (tail and TAIL_BLOCKS == "measured" and plain and partials == 1 and elem_bytes <= 2
+            and 4 * tail > block_n // 2):  # fmt: skip
+        # RMSNorm of x alone keeps two blocks only where the second is at most a quarter of the
+        # first, as rows with dropout or x1 do: bf16 6144 = 4096 + 2048 77.8% of copy on 8
+        # warps, padded 88.3% (5120: 94.7 vs 81.7%; bench/NOTES.md #53)
+        tail = 0
     if num_chunks > 1 and exchange:
         return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS
     warps = bwd_num_warps(block_n, partials, dropout, tail, plain, elem_bytes)

@@ -66,9 +66,10 @@ MATRIX = (
     # (config.bwd_block_config); 64 KB rows split with dropout or x1 (config.fwd_split).
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of
-    # 64 (config.bwd_maxnreg; 6144 above), and on 2 warps at 1024 columns (bwd_num_warps).
+    # 64 (config.bwd_maxnreg; 6144 above), and on 2 warps at 1024 columns (bwd_num_warps);
+    # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
-    + [("add_rms_prenorm", 1024, BF16)]
+    + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
 )
 
 

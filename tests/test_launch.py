@@ -275,7 +275,8 @@ def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     """bench/NOTES.md #53: add + RMSNorm (one partial, not a norm of x alone) of 16-bit rows of
     4097-8192 columns takes the padded 8192 block on 16 warps (under the register cap of
     bwd_maxnreg) instead of two blocks; fp32 rows and dropout keep two blocks where they had
-    them. RMSNorm of x alone holds its two blocks on 8 warps."""
+    them. RMSNorm of x alone holds its two blocks on 8 warps, where the second is at most a
+    quarter of the first."""
     from _helpers import patched_config
 
     from fused_norm import config
@@ -286,6 +287,8 @@ def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     assert config.bwd_layout(5120, 4, 1, False, False) == (8192, 1, 1024, 16)  # fp32
     assert config.bwd_layout(5120, 2, 1, True, False)[2] == 1024  # dropout: two blocks
     assert config.bwd_layout(5120, 2, 1, False, True) == (8192, 1, 1024, 8)  # plain RMSNorm
+    assert config.bwd_layout(6144, 2, 1, False, True) == (8192, 1, 0, 8)  # its tail > 1/4
+    assert config.bwd_layout(6144, 4, 1, False, True)[2] == 2048  # fp32: not measured
     assert config.bwd_layout(5120, 2, 2, False, True)[2] == 1024  # LayerNorm unchanged
     with patched_config(TAIL_BLOCKS=True):  # forced two blocks (sweeps) stay two blocks
         assert config.bwd_layout(5120, 2, 1, False, False)[2] == 1024
