@@ -123,16 +123,32 @@ def fwd_block_tail(n_cols: int, block_n: int, num_chunks: int) -> tuple[int, int
 
 
 def bwd_block_tail(
-    n_cols: int, block_n: int, num_chunks: int, partials: int = 1, dropout: bool = False
+    n_cols: int,
+    block_n: int,
+    num_chunks: int,
+    partials: int = 1,
+    dropout: bool = False,
+    plain: bool = False,
+    elem_bytes: int = 2,
 ) -> tuple[int, int]:
-    """:func:`block_tail` of the backward (``partials``: its parameter-gradient vectors). With
-    dropout or four partials (the x1 path) only a tail of at most a quarter of the main block
-    is measured to pay: at 6144 columns (4096 + 2048) dropout + add + LayerNorm fell from 75%
-    to 57% of copy and the x1 path from 58% to 51% (bench/NOTES.md #27). Two partials without
-    dropout also at a padded 16384 (bwd_block_config's rows of 8K-12K columns)."""
+    """:func:`block_tail` of the backward (``partials``: its parameter-gradient vectors;
+    ``plain``: a norm of x alone; ``elem_bytes``: the widest row element). With dropout, four
+    partials (the x1 path) or, in 16-bit rows, RMSNorm of x alone, only a tail of at most a
+    quarter of the main block is measured to pay: at 6144 columns (4096 + 2048) dropout + add +
+    LayerNorm fell from 75% to 57% of copy and the x1 path from 58% to 51% (bench/NOTES.md #27),
+    bf16 RMSNorm was 77.8% against 88.3% padded (#53). add + RMSNorm (one partial, not plain,
+    no dropout) of 16-bit rows takes the padded block under its register cap (bwd_maxnreg):
+    bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows keep
+    two blocks, 90.3 vs 77%; #53). Two partials without dropout also at a padded 16384
+    (bwd_block_config's rows of 8K-12K columns)."""
     measured = BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 and not dropout else ())
     main, tail = block_tail(n_cols, block_n, num_chunks, measured)
-    if tail and TAIL_BLOCKS == "measured" and (dropout or partials >= 4) and 4 * tail > main:
+    if not tail or TAIL_BLOCKS != "measured":
+        return main, tail
+    one_partial_16 = partials == 1 and not dropout and elem_bytes <= 2
+    if one_partial_16 and not plain:
+        return block_n, 0
+    if (dropout or partials >= 4 or (one_partial_16 and plain)) and 4 * tail > main:
         return block_n, 0
     return main, tail
 
@@ -696,19 +712,7 @@ def bwd_layout(
     their row sums: bwd_exchange), the tail where that block is held as two (bwd_block_tail:
     its first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
     block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout, exchange)
-    tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout)[1]
-    if (tail and TAIL_BLOCKS == "measured" and block_n == 8192 and partials == 1
-            and not plain and not dropout and elem_bytes <= 2):  # fmt: skip
-        # add + RMSNorm: the padded block under its register cap (bwd_maxnreg) beat two blocks,
-        # bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows
-        # keep them, 90.3 vs 77%; bench/NOTES.md #53)
-        tail = 0
-    if (tail and TAIL_BLOCKS == "measured" and plain and partials == 1 and elem_bytes <= 2
-            and 4 * tail > block_n // 2):  # fmt: skip
-        # RMSNorm of x alone keeps two blocks only where the second is at most a quarter of the
-        # first, as rows with dropout or x1 do: bf16 6144 = 4096 + 2048 77.8% of copy on 8
-        # warps, padded 88.3% (5120: 94.7 vs 81.7%; bench/NOTES.md #53)
-        tail = 0
+    tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout, plain, elem_bytes)[1]
     if num_chunks > 1 and exchange:
         return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS
     warps = bwd_num_warps(block_n, partials, dropout, tail, plain, elem_bytes)
