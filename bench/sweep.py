@@ -371,7 +371,7 @@ def main():
                 nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
                     bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)
-                held = config.fwd_hold(kind, split)
+                held = config.fwd_hold(kind, split, workload == "parallel")
                 warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(

@@ -315,8 +315,9 @@ def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bo
 # 91 -> 87% with bf16 weights (84 -> 87% with fp32 ones), 12288 91 -> 84%, RMSNorm 8K-32K -1
 # to -3; holding the stream lost with dropout (-2 to -5 points at 4K-256K, under its register
 # cap) and with x1 at 32K+ (-4), and was even for add + RMSNorm. So FWD_HOLD = "measured"
-# holds x in split parts; True holds the stream there too (the sweep compares them; the
-# one-block variant measured above was taken out of the kernel); False holds nothing.
+# holds x in split parts, and the x1 path's fp16 stream in more than 32 parts (fwd_hold);
+# True holds the stream there too (the sweep compares them; the one-block variant measured
+# above was taken out of the kernel); False holds nothing.
 FWD_HOLD = "measured"
 HOLD_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -324,19 +325,43 @@ HOLD_DTYPES = (torch.bfloat16, torch.float16)
 def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
     """What the forward could hold in registers as 16 bits instead of the fp32 sum s: "bf16" or
     "fp16" (the sum is x itself, of that dtype: ``s_is_x``, no residual, x1, dropout, rowscale
-    or layerscale, and no stream stored), "stream" (``stream_dtype``, the dtype of the stored
-    stream, is bf16 or fp16), or "" (nothing)."""
+    or layerscale, and no stream stored), "stream" / "fp16 stream" (``stream_dtype``, the
+    dtype of the stored stream, is bf16 / fp16), or "" (nothing)."""
     if stream_dtype is not None:
-        return "stream" if stream_dtype in HOLD_DTYPES else ""
+        return {torch.bfloat16: "stream", torch.float16: "fp16 stream"}.get(stream_dtype, "")
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_dtype, "") if s_is_x else ""
 
 
-def fwd_hold(kind: str, split: int) -> bool:
+# The x1 path's fp16 stream is held in rows of more than this many parts. Graph replay,
+# 2026-11-24 (H200, fp16 weights, bench/NOTES.md #55), held against fp32, two calls: 256K
+# columns (64 parts) 84.1-85.0 -> 88.1-88.9% of copy (95 -> 76 registers, 5 -> 6 parts per
+# SM); 128K 92.5 -> 92.0%, 64K 93.9-94.4 -> 92.0-93.4%; bf16 loses at 128K-256K (93.2 ->
+# 92.0%, 92.3 -> 89.9%).
+FWD_HOLD_X1_FP16_MIN_PARTS = 33
+
+
+def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
     """Whether the forward holds a split row's parts in 16 bits (FWD_HOLD): ``kind`` from
-    fwd_hold_kind, ``split`` the parts of the row (1: not split, never held)."""
+    fwd_hold_kind, ``split`` the parts of the row (1: not split, never held), ``x1`` whether
+    the row has the x1 path."""
     if not kind or not FWD_HOLD or split == 1:
         return False
-    return FWD_HOLD is True or kind in ("bf16", "fp16")
+    if FWD_HOLD is True or kind in ("bf16", "fp16"):
+        return True
+    return kind == "fp16 stream" and x1 and split >= FWD_HOLD_X1_FP16_MIN_PARTS
+
+
+def fwd_hold_reread(kind: str, split: int) -> bool:
+    """Whether held parts of a LayerNorm row take the exact M2 (where the joint form cancels,
+    kernels._cancels) over s read again from memory instead of over the held columns widened
+    (kernels._fwd_split_row, HOLD = 2): fp16 rows of more than 16 parts. fp16's widening of
+    every held column at once took 112-119 registers on 2 warps (67 with the read), so those
+    parts ran on 4; with the read on 2 warps, graph replay (H200, 2026-11-24, bench/NOTES.md
+    #55, two runs): 128K columns 70.4-72.0 -> 76.0-77.5% of copy, 256K 64.7-65.9 -> 69.3-70.5%;
+    at 64K even (77.5 -> 77.0-77.4%) but 76.1 -> 74.2-74.6% in the benchmark, and the read on
+    4 warps cost 2.3 points (75.2%): rows of at most 16 parts keep the widening on 4 warps.
+    bf16 widens by a shift, 62 registers either way, and lost 2.5 points with the read."""
+    return kind in ("fp16", "fp16 stream") and split > 16
 
 
 def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
@@ -418,10 +443,15 @@ def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     H100; at 128K-256K within 2 points, and RMSNorm loses 1-5 points with 4). ``held``, the
     dtype a part is held in (fwd_hold: "bf16" or "fp16", "" for fp32): bf16 halves its
     registers, and LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 ->
-    68%, 256K 61 -> 66%); fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
-    on 4 warps, 66% on 2; bench/NOTES.md #37), so it keeps 4."""
-    few = held == "bf16" or (split > 16 and held != "fp16")
-    if plain == "rms" or (plain == "ln" and few):
+    68%, 256K 61 -> 66%). fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
+    on 4 warps, 66% on 2; bench/NOTES.md #37): it keeps 4 in at most 16 parts, and takes 2
+    beyond, where its exact M2 reads s again (fwd_hold_reread). Held RMSNorm in at most 16
+    parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.9-96.1%, fp16 89.2 ->
+    92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
+    / 77.6%)."""
+    if plain == "rms":
+        return FWD_SPLIT_WARPS if held and split <= 16 else max(FWD_SPLIT_WARPS // 2, 1)
+    if plain == "ln" and (held == "bf16" or split > 16):
         return max(FWD_SPLIT_WARPS // 2, 1)
     return FWD_SPLIT_WARPS
 

@@ -474,10 +474,25 @@ def _fwd_split_row(
         mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
         m2 = squares - total * mean_p
         if _cancels(squares, m2):
-            if HOLD:
-                d = tl.where(col_mask, _widen(h) - mean_p, 0.0)
-            else:
+            if not HOLD:
                 d = tl.where(col_mask, s - mean_p, 0.0)
+            elif HOLD == 2:
+                # s read again (from L2: this program has just read or written it), not widened
+                # from h (config.fwd_hold_reread: fp16 rows of more than 16 parts), whose fp16
+                # route widening every held column at once took 112 registers on 2 warps (67
+                # this way, offline, 64K LayerNorm). A ".cg" load is another instruction than
+                # the row's first load, so the compiler cannot merge the two and keep s live in
+                # place of h. A stream was stored by this program: the barrier makes every
+                # thread's store visible before any thread reads.
+                if STORE_RESIDUAL_OUT:
+                    tl.debug_barrier()
+                    again = RESIDUAL_OUT + row * stride_res_out_row + ccols
+                else:
+                    again = X + row * stride_x_row + ccols
+                s_again = tl.load(again, mask=col_mask, other=0.0, cache_modifier=".cg")
+                d = tl.where(col_mask, s_again.to(tl.float32) - mean_p, 0.0)
+            else:
+                d = tl.where(col_mask, _widen(h) - mean_p, 0.0)
             m2 = tl.sum(d * d, axis=0)
         word = _pack_stats(mean_p, m2)
     tl.atomic_cas(WS + row * SPLIT + part, tl.zeros((), dtype=tl.int64), word, sem="relaxed")
@@ -600,7 +615,8 @@ def _fused_norm_fwd_kernel(
     SPLIT_P2: tl.constexpr,  # next power of two >= SPLIT
     SUB_N: tl.constexpr,     # columns per step where a split program computes another's part
     BOUNDED_WAIT: tl.constexpr,  # split parts stop waiting after max_polls (interpreter)
-    HOLD: tl.constexpr,      # split rows: s equals a 16-bit tensor, held instead (config.fwd_hold)
+    HOLD: tl.constexpr,      # split rows: s equals a 16-bit tensor, held instead (config.fwd_hold);
+                             # 2: held, LayerNorm's exact M2 over s read again (fwd_hold_reread)
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)

@@ -220,7 +220,7 @@ def _fwd_plan(
     if split > 1:
         num_chunks, rows = 1, 1
         kernel_block, tail = block_n, 0
-        hold = config.fwd_hold(kind, split)
+        hold = config.fwd_hold(kind, split, has_x1)
         num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
@@ -249,7 +249,7 @@ def _fwd_plan(
         SPLIT_P2=config.next_power_of_2(split),
         SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
         BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
-        HOLD=hold,
+        HOLD=(2 if config.fwd_hold_reread(kind, split) else 1) if hold else 0,
         EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),

@@ -307,22 +307,25 @@ def held_cases(draw):
 def test_held_rows_match_fp32_rows_bitwise(arg):
     """A forward row held in registers as the 16-bit tensor its sum equals (config.FWD_HOLD:
     x itself, or the stored stream; kernels._widen) gives bitwise the outputs, stream and
-    masks of the row held in fp32: the held values widen exactly."""
+    masks of the row held in fp32: the held values widen exactly; also where LayerNorm's
+    exact M2 reads s again instead (config.fwd_hold_reread, forced for every held row)."""
     count_example("test_held_rows_match_fp32_rows_bitwise")
     case, part_bytes = arg
     runs = []
-    for hold in (False, True):
+    for hold, reread in ((False, False), (True, False), (True, True)):
         t = make_inputs(case)
         torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
-        with split_rows(part_bytes), patched_config(FWD_HOLD=hold), torch.no_grad():
+        patch = patched_config(FWD_HOLD=hold, fwd_hold_reread=lambda kind, split, _r=reread: _r)
+        with split_rows(part_bytes), patch, torch.no_grad():
             runs.append(call_fused(case, t))
-    (outs, masks), (held, held_masks) = runs
-    assert outs.keys() == held.keys()
-    for name in outs:
-        assert_bitwise_equal(name, held[name], outs[name])
-    for name, a, b in zip(("mask", "mask1"), held_masks, masks):
-        if b is not None:
-            assert_bitwise_equal(name, a, b)
+    outs, masks = runs[0]
+    for held, held_masks in runs[1:]:
+        assert outs.keys() == held.keys()
+        for name in outs:
+            assert_bitwise_equal(name, held[name], outs[name])
+        for name, a, b in zip(("mask", "mask1"), held_masks, masks):
+            if b is not None:
+                assert_bitwise_equal(name, a, b)
 
 
 @settings(max_examples=EXAMPLES_LEGACY)

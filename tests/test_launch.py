@@ -176,13 +176,18 @@ def test_hold_rule():
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert config.fwd_hold_kind(bf16, None, True) == "bf16"
     assert config.fwd_hold_kind(fp16, None, True) == "fp16"
-    for dtype in (bf16, fp16):
-        assert config.fwd_hold_kind(fp32, dtype, False) == "stream"
+    assert config.fwd_hold_kind(fp32, bf16, False) == "stream"
+    assert config.fwd_hold_kind(fp32, fp16, False) == "fp16 stream"
     for args in ((bf16, None, False), (bf16, fp32, False), (fp32, None, True)):
         assert config.fwd_hold_kind(*args) == "", args
     assert config.fwd_hold("bf16", 8) and config.fwd_hold("fp16", 8)
     assert not config.fwd_hold("bf16", 1) and not config.fwd_hold("fp16", 1)
     assert not config.fwd_hold("stream", 8) and not config.fwd_hold("", 8)
+    # The x1 path's fp16 stream, in more than 32 parts only (NOTES #55).
+    assert config.fwd_hold("fp16 stream", 64, x1=True)
+    assert not config.fwd_hold("fp16 stream", 32, x1=True)
+    assert not config.fwd_hold("fp16 stream", 64, x1=False)
+    assert not config.fwd_hold("stream", 64, x1=True)
     gpu = torch.device("cuda")
     old = (config.split_rows_ok, config.sm_count)
     config.split_rows_ok, config.sm_count = (lambda d: True), (lambda d: 132)
@@ -193,9 +198,16 @@ def test_hold_rule():
         assert config.fwd_split(65536, 2, gpu, False) == (4096, 16)
         assert config.fwd_split_warps("ln", 8, "bf16") == 2
         assert config.fwd_split_warps("ln", 16, "") == 4
-        assert config.fwd_split_warps("ln", 64, "fp16") == 4
+        assert config.fwd_split_warps("ln", 64, "fp16") == 2
+        assert config.fwd_split_warps("ln", 16, "fp16") == 4
+        assert config.fwd_hold_reread("fp16", 64) and config.fwd_hold_reread("fp16 stream", 64)
+        assert not config.fwd_hold_reread("fp16", 16) and not config.fwd_hold_reread("bf16", 64)
         assert config.fwd_split_warps("ln", 64, "") == 2
         assert config.fwd_split_warps("rms", 64, "fp16") == 2
+        # Held RMSNorm in at most 16 parts on 4 warps; held in fp32, 2 (NOTES #55).
+        assert config.fwd_split_warps("rms", 16, "bf16") == 4
+        assert config.fwd_split_warps("rms", 12, "fp16") == 4
+        assert config.fwd_split_warps("rms", 16, "") == 2
         saved = config.FWD_HOLD
         try:
             config.FWD_HOLD = True
