@@ -333,11 +333,11 @@ def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
 
 
 # The x1 path's fp16 stream is held in rows of more than this many parts. Graph replay,
-# 2026-11-24 (H200, fp16 weights, bench/NOTES.md #55), held against fp32, two calls: 256K
-# columns (64 parts) 84.1-85.0 -> 88.1-88.9% of copy (95 -> 76 registers, 5 -> 6 parts per
+# 2026-11-24 (H200, fp16 weights, bench/NOTES.md #55), held against fp32, three runs: 256K
+# columns (64 parts) 84.1-85.0 -> 86.6-88.9% of copy (95 -> 76 registers, 5 -> 6 parts per
 # SM); 128K 92.5 -> 92.0%, 64K 93.9-94.4 -> 92.0-93.4%; bf16 loses at 128K-256K (93.2 ->
 # 92.0%, 92.3 -> 89.9%).
-FWD_HOLD_X1_FP16_MIN_PARTS = 33
+FWD_HOLD_X1_FP16_PARTS = 32
 
 
 def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
@@ -348,7 +348,7 @@ def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
         return False
     if FWD_HOLD is True or kind in ("bf16", "fp16"):
         return True
-    return kind == "fp16 stream" and x1 and split >= FWD_HOLD_X1_FP16_MIN_PARTS
+    return kind == "fp16 stream" and x1 and split > FWD_HOLD_X1_FP16_PARTS
 
 
 def fwd_hold_reread(kind: str, split: int) -> bool:
@@ -446,8 +446,8 @@ def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     68%, 256K 61 -> 66%). fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
     on 4 warps, 66% on 2; bench/NOTES.md #37): it keeps 4 in at most 16 parts, and takes 2
     beyond, where its exact M2 reads s again (fwd_hold_reread). Held RMSNorm in at most 16
-    parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.9-96.1%, fp16 89.2 ->
-    92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
+    parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.8-96.1%, fp16 89.2 ->
+    91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
     / 77.6%)."""
     if plain == "rms":
         return FWD_SPLIT_WARPS if held and split <= 16 else max(FWD_SPLIT_WARPS // 2, 1)
