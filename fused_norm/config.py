@@ -339,6 +339,10 @@ def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
 # 92.0%, 92.3 -> 89.9%).
 FWD_HOLD_X1_FP16_PARTS = 32
 
+# Split rows of at most this many parts (64K 16-bit columns) take other warps and, in fp16,
+# LayerNorm's widening route (fwd_split_warps, fwd_hold_reread; bench/NOTES.md #25, #55).
+FWD_SPLIT_FEW_PARTS = 16
+
 
 def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
     """Whether the forward holds a split row's parts in 16 bits (FWD_HOLD): ``kind`` from
@@ -361,7 +365,7 @@ def fwd_hold_reread(kind: str, split: int) -> bool:
     at 64K even (77.5 -> 77.0-77.4%) but 76.1 -> 74.2-74.6% in the benchmark, and the read on
     4 warps cost 2.3 points (75.2%): rows of at most 16 parts keep the widening on 4 warps.
     bf16 widens by a shift, 62 registers either way, and lost 2.5 points with the read."""
-    return kind in ("fp16", "fp16 stream") and split > 16
+    return kind in ("fp16", "fp16 stream") and split > FWD_SPLIT_FEW_PARTS
 
 
 def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
@@ -450,8 +454,9 @@ def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
     / 77.6%)."""
     if plain == "rms":
-        return FWD_SPLIT_WARPS if held and split <= 16 else max(FWD_SPLIT_WARPS // 2, 1)
-    if plain == "ln" and (held == "bf16" or split > 16):
+        few = held and split <= FWD_SPLIT_FEW_PARTS
+        return FWD_SPLIT_WARPS if few else max(FWD_SPLIT_WARPS // 2, 1)
+    if plain == "ln" and (held == "bf16" or split > FWD_SPLIT_FEW_PARTS):
         return max(FWD_SPLIT_WARPS // 2, 1)
     return FWD_SPLIT_WARPS
 
