@@ -53,26 +53,31 @@ def copy_gbps(device):
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-def bytes_per_elem(workload, mode, eb):
+def bytes_per_elem(workload, mode, eb, rb=None):
+    """Bytes per element of one call; ``eb`` those of x's dtype, ``rb`` of the residual stream's
+    (``eb`` unless --dtype bf16_res32). dx and dresidual are one tensor unless dropout or a
+    stream of another dtype makes them differ (as bench.py:bytes_moved counts)."""
+    rb = rb or eb
     # fwd reads x, residual and writes y, residual_out. bwd reads residual_out, dy,
-    # d(residual_out) and writes dx (which is also dresidual without dropout), plus dresidual
-    # with dropout (dx differs then).
+    # d(residual_out) and writes dx, plus dresidual where it differs from dx.
     if workload in ("ln", "rms"):  # fwd reads x, writes y; bwd reads x, dy, writes dx
         return {"fwd": 2 * eb, "bwd": 3 * eb}[mode]
+    dres = rb if (workload == "drop_add_ln" or rb != eb) else 0
     if workload == "parallel":  # fwd: x, x1, residual -> y, y1, residual_out; bwd: s, dy,
-        return {"fwd": 6 * eb, "bwd": 5 * eb}[mode]  # dy1, d(residual_out) -> dx (= dx1, dres)
-    fwd = 4 * eb
-    bwd = 4 * eb if workload == "add_rms" else 5 * eb
-    return {"fwd": fwd, "bwd": bwd}[mode]
+        # dy1, d(residual_out) -> dx (= dx1, and dresidual where the stream's dtype is x's)
+        return {"fwd": 4 * eb + 2 * rb, "bwd": 3 * eb + 2 * rb + dres}[mode]
+    return {"fwd": 2 * eb + 2 * rb, "bwd": 2 * eb + 2 * rb + dres}[mode]
 
 
 WEIGHT_DTYPE = [torch.float32]  # --weight-dtype
+RES_DTYPE = [None]  # --dtype bf16_res32: the residual stream's dtype (None: x's)
 
 
 def run(workload, n, dtype, device, mode):
     m = ELEMS // n
+    rdt = RES_DTYPE[0] or dtype
     x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
-    res = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
+    res = torch.randn(m, n, device=device, dtype=rdt, requires_grad=True)
     w = torch.randn(n, device=device, dtype=WEIGHT_DTYPE[0], requires_grad=True)
     b = torch.randn(n, device=device, dtype=WEIGHT_DTYPE[0], requires_grad=True)
     if workload == "add_rms":
@@ -103,13 +108,14 @@ def run(workload, n, dtype, device, mode):
         with torch.no_grad():
             ms = bench(f)
     elif workload == "parallel":
-        dy, dy1, dr = (torch.randn(m, n, device=device, dtype=dtype) for _ in range(3))
+        dy, dy1 = (torch.randn(m, n, device=device, dtype=dtype) for _ in range(2))
+        dr = torch.randn(m, n, device=device, dtype=rdt)
         _, _, s, mean, rstd, _, _ = ops.fused_norm_fwd(
-            x, w, b, res, x1, w1, b1, None, None, None, 1e-6, 0.0, False, False, dtype, dtype,
+            x, w, b, res, x1, w1, b1, None, None, None, 1e-6, 0.0, False, False, dtype, rdt,
             True)  # fmt: skip
         ms = bench(lambda: ops.fused_norm_bwd(
             dy, s, w, b, w1, b1, mean, rstd, dy1=dy1, dresidual_out=dr, x_dtype=dtype,
-            residual_dtype=dtype, x1_dtype=dtype))  # fmt: skip
+            residual_dtype=rdt, x1_dtype=dtype))  # fmt: skip
     elif workload in ("ln", "rms"):
         rms, bias = workload == "rms", (None if workload == "rms" else b)
         dy = torch.randn(m, n, device=device, dtype=dtype)
@@ -121,16 +127,17 @@ def run(workload, n, dtype, device, mode):
     else:
         p = 0.0 if workload == "add_rms" else 0.1
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        dr = torch.randn(m, n, device=device, dtype=dtype)
+        dr = torch.randn(m, n, device=device, dtype=rdt)
         seeds = torch.randint(0, 2**31 - 1, (m,), device=device) if p else None
         _, _, s, mean, rstd, _, _ = ops.fused_norm_fwd(
             x, w, b if p else None, res, None, None, None, None, None, seeds, 1e-6, p,
-            workload == "add_rms", False, dtype, dtype, True)  # fmt: skip
+            workload == "add_rms", False, dtype, rdt, True)  # fmt: skip
         ms = bench(lambda: ops.fused_norm_bwd(
             dy, s, w, b if p else None, None, None, mean, rstd, dresidual_out=dr, seeds=seeds,
             dropout_p=p, is_rms_norm=workload == "add_rms", x_dtype=dtype,
-            residual_dtype=dtype))  # fmt: skip
-    gbps = bytes_per_elem(workload, mode, x.element_size()) * m * n / ms / 1e6
+            residual_dtype=rdt))  # fmt: skip
+    rb = res.element_size() if workload not in ("ln", "rms") else None
+    gbps = bytes_per_elem(workload, mode, x.element_size(), rb) * m * n / ms / 1e6
     return ms, gbps
 
 
@@ -236,8 +243,9 @@ def main():
     ap.add_argument("--regs", action="store_true", help="print compiled kernels' registers")
     ap.add_argument("--bwd-maxnreg", default="auto", help="register caps of the backward")
     ap.add_argument("--fwd-maxnreg", default="auto", help="register caps of the forward")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
-                    help="dtype of every row tensor (weights are fp32)")  # fmt: skip
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "bf16_res32"),
+                    help="dtype of every row tensor (bf16_res32: bf16, the residual stream "
+                    "fp32; weights: --weight-dtype)")  # fmt: skip
     ap.add_argument(
         "--tail",
         default="auto",
@@ -261,8 +269,10 @@ def main():
     WEIGHT_DTYPE[0] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.weight_dtype
     ]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    eb = dtype.itemsize
+    res32 = args.dtype == "bf16_res32"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+             "bf16_res32": torch.bfloat16}[args.dtype]  # fmt: skip
+    RES_DTYPE[0] = torch.float32 if res32 else None
     props = torch.cuda.get_device_properties(device)
     ceiling = copy_gbps(device)
     env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -285,6 +295,8 @@ def main():
     evict = config.FWD_CHUNK_EVICT
     lane_chunks = dict(config.FWD_LANE_CHUNKS)
     exchange = config.BWD_EXCHANGE
+    wide_block = config.fwd_wide_block
+    dropout_64k_bytes = config.FWD_SPLIT_DROPOUT_64K_BYTES
     exchange_layout = config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS
     for n, workload, mode, tail, hold, ev, lchunk, unroll, exch in itertools.product(
         ints(args.ns),
@@ -330,6 +342,8 @@ def main():
             elif lchunk and workload in ("ln", "rms"):
                 config.FWD_LANE_CHUNKS[(workload, n)] = (lchunk, fw or 16, unroll != "off")
             config.settings_changed()  # the edits in place above: ops' plans must go
+            if fw or (mr and mode == "fwd"):  # explicit choices replace the wide rows' own
+                config.fwd_wide_block = lambda *a: None
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
@@ -358,25 +372,34 @@ def main():
                 config.BWD_TILE_BYTES = config.BWD_EXCHANGE_TILE_BYTES = gb
             if mode == "fwd" and st:
                 config.FWD_SPLIT_MIN_BYTES = 1 << 40 if st == -1 else st
-                config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_BLOCK_BYTES if st == -1 else st
+                if st != -1:  # parts of st bytes, the 64 KB rows with dropout too
+                    config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_DROPOUT_64K_BYTES = st
             elif st:
                 config.bwd_row_stages = lambda *a, _s=st: _s
             drop = workload == "drop_add_ln"
+            # the widest row element: the fp32 stream's where the workload has a residual
+            eb = 4 if res32 and workload not in ("ln", "rms") else dtype.itemsize
             if mode == "fwd":
                 plain = workload if workload in ("ln", "rms") else ""
                 kind = config.fwd_hold_kind(
-                    dtype, None if plain else dtype, plain != ""
+                    dtype, None if plain else (RES_DTYPE[0] or dtype), plain != ""
                 )  # fmt: skip
-                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel")
+                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel", drop)
                 nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
                     bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)
                 held = config.fwd_hold(kind, split, workload == "parallel")
-                warps = (config.fwd_split_warps(plain, split, kind if held else "") if split > 1
+                warps = (config.fwd_split_warps(plain, split, kind if held else "",
+                                                drop and bn == 2048) if split > 1
                          else config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
+                wide = split == 1 and config.fwd_wide_block(
+                    bn, nc, tl_, eb, dtype.itemsize, drop, workload == "parallel", device
+                )
+                if wide:
+                    warps, maxnreg = wide
                 desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
                         f"tail={tl_} hold={held} evict={ev} "
                         f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
@@ -409,6 +432,8 @@ def main():
                 config.BWD_EXCHANGE = exchange
                 config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS = exchange_layout
                 config.FWD_CHUNK_EVICT = evict
+                config.fwd_wide_block = wide_block
+                config.FWD_SPLIT_DROPOUT_64K_BYTES = dropout_64k_bytes
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)
                 # ops' plans and resident grids of a variant (stages, caps) are its own

@@ -304,6 +304,33 @@ def fwd_maxnreg(block_n: int, num_chunks: int, split: int, dropout: bool, x1: bo
     return None
 
 
+# One-block forward rows of 16K columns whose widest element is 4 bytes (fp32 rows, or 16-bit x
+# with an fp32 residual stream), with dropout or the x1 path: (warps, register cap) by (bytes of
+# x, dropout, x1), in place of fwd_num_warps' 16 warps and fwd_maxnreg's choice. Graph replay,
+# H200, 2026-11-24 (bench/NOTES.md #57), two runs each: bf16 x with an fp32 stream and dropout
+# under the 16-bit rows' cap of 64 (16 warps, 74 -> 64 registers, 2 bytes spilled) 86.0-87.6 ->
+# 95.3-96.0% of copy (32 warps 92.7-93.0%); fp32 rows with dropout on 32 warps capped at 80
+# 87.2-87.9 -> 95.3-96.1% (16 warps at 80: 92.2-92.6%, at 64 they spill: 81.5-82.0%); bf16 x
+# with an fp32 stream and x1 on 32 warps capped at 64 90.8-91.2 -> 95.3-96.2% (uncapped 92.9-93.8%,
+# 16 warps at 96: 93.6-95.0%, at 64: 75%).
+FWD_WIDE_ELEM_BLOCK = {
+    (2, True, False): (16, 64),
+    (4, True, False): (32, 80),
+    (2, False, True): (32, 64),
+}
+
+
+def fwd_wide_block(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_bytes: int,
+                   dropout: bool, x1: bool, device: torch.device):  # fmt: skip
+    """(warps, register cap) of a one-block forward row of 16K columns (``block_n``, no
+    ``tail``) whose widest element is 4 bytes, from FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the
+    bytes of x, and its ``dropout`` and ``x1``; None elsewhere (fwd_num_warps and fwd_maxnreg
+    decide) and where the compiler takes no register caps."""
+    if block_n != 16384 or num_chunks != 1 or tail or elem_bytes != 4 or not _nvidia(device):
+        return None
+    return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
+
+
 # A forward row whose fp32 sum s equals a 16-bit tensor (bf16 or fp16: x itself, for a norm of
 # x alone; or the residual stream, as stored) may be held in registers as that tensor instead
 # of s, from the statistics to the normalisation (kernels._widen): half the registers.
@@ -406,13 +433,16 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
 # bound). Sizes: the sweep in bench/NOTES.md #21.
 FWD_SPLIT_MIN_BYTES = 65536
 FWD_SPLIT_BLOCK_BYTES = 8192
+# ... but a 64 KB row split for its dropout alone (32K 16-bit columns, no x1) takes parts of
+# this many bytes, on 2 warps (fwd_split_warps; bench/NOTES.md #57).
+FWD_SPLIT_DROPOUT_64K_BYTES = 4096
 FWD_SPLIT_WARPS = 4
 FWD_SPLIT_MAX_POLLS = 0
 FWD_SPLIT_SUB_N = 128
 
 
 def fwd_split(
-    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False
+    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False, dropout: bool = False
 ) -> tuple[int, int]:
     """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
 
@@ -424,7 +454,14 @@ def fwd_split(
     bf16 split there too from 2026-11-24 (held parts: RMSNorm 84 -> 91%, LayerNorm 65 -> 72%,
     bench/NOTES.md #37) until lane-summed chunks beat both (FWD_LANE_CHUNKS, NOTES #40). A 64 KB
     row of wider elements (16K fp32 columns) keeps its one block even when heavy: the x1 path
-    93 -> 98%, dropout + add + LayerNorm 88% either way (fp32 sweep of 2026-11-23, NOTES #36)."""
+    93 -> 98%, dropout + add + LayerNorm 88% either way (fp32 sweep of 2026-11-23, NOTES #36).
+
+    A 64 KB row heavy by its ``dropout`` alone (no x1) splits into parts of
+    FWD_SPLIT_DROPOUT_64K_BYTES (16 of 2K columns, on 2 warps: fwd_split_warps): graph replay
+    (H200, 2026-11-24, bench/NOTES.md #57), dropout + add + LayerNorm bf16 91.5-91.9 ->
+    92.8-93.9% of copy in three runs, fp16 90.6 -> 93.7% (2K parts on 4 warps: 76.9%). Wider
+    rows keep 4K-column parts (64K: 90.6-90.7 -> 88.8-90.0% on 2K parts, 256K 84.4-84.6 ->
+    83.3-83.4%), as does the x1 path (95.7 -> 96.7% at 32K, but 92.8 -> 90.1% at 256K)."""
     row_bytes = n_cols * elem_bytes
     if row_bytes < FWD_SPLIT_MIN_BYTES or (
         row_bytes == FWD_SPLIT_MIN_BYTES and not (heavy and elem_bytes <= 2)
@@ -432,14 +469,17 @@ def fwd_split(
         return 0, 1
     if not split_rows_ok(device):
         return 0, 1
-    block_n = max(FWD_SPLIT_BLOCK_BYTES // elem_bytes, 8)
+    part_bytes = FWD_SPLIT_BLOCK_BYTES
+    if row_bytes == FWD_SPLIT_MIN_BYTES and dropout:
+        part_bytes = FWD_SPLIT_DROPOUT_64K_BYTES
+    block_n = max(part_bytes // elem_bytes, 8)
     split = cdiv(n_cols, block_n)
     if split > sm_count(device):
         return 0, 1
     return block_n, split
 
 
-def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
+def fwd_split_warps(plain: str, split: int, held: str = "", dropout_2k: bool = False) -> int:
     """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is
     "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts held in
     fp32, whose two reductions before the exchange went faster on more warps (bench/NOTES.md
@@ -452,7 +492,13 @@ def fwd_split_warps(plain: str, split: int, held: str = "") -> int:
     beyond, where its exact M2 reads s again (fwd_hold_reread). Held RMSNorm in at most 16
     parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.8-96.1%, fp16 89.2 ->
     91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
-    / 77.6%)."""
+    / 77.6%). ``dropout_2k``: parts of 2048 columns of a row with dropout and no x1 (rows of
+    4-byte elements, or 64 KB rows: fwd_split) take 2 warps (#57, graph replay): bf16 x with an
+    fp32 stream 64K 83.8 -> 90.2%, 128K 84.3 -> 89.2%, 256K 82.7 -> 84.6%; fp32 64K 87.5 ->
+    89.0%, 256K 84.8 -> 86.6% (the x1 path's keep 4: with an fp32 stream 256K 89.4 -> 86.8% on
+    2); 32K 16-bit columns, fwd_split's figures."""
+    if dropout_2k:
+        return max(FWD_SPLIT_WARPS // 2, 1)
     if plain == "rms":
         few = held and split <= FWD_SPLIT_FEW_PARTS
         return FWD_SPLIT_WARPS if few else max(FWD_SPLIT_WARPS // 2, 1)
@@ -541,7 +587,14 @@ def bwd_num_warps(
     keep 4: 97.7 vs 96.0% for LayerNorm; at 2048 columns 2 warps lost, LayerNorm 87.3 ->
     78.9%); 512-column rows without dropout on 1 warp instead of 2, but for RMSNorm of x
     alone: add + RMSNorm bf16 90.4 -> 93.9%, fp32 96.6 -> 97.9%, LayerNorm bf16 88.2 -> 90.1%
-    (six runs each; fp32 93.6% either way), RMSNorm bf16 91.8 -> 89.3% (it keeps 2)."""
+    (six runs each; fp32 93.6% either way), RMSNorm bf16 91.8 -> 89.3% (it keeps 2).
+
+    Rows of 4-byte elements (fp32, or an fp32 stream) with one partial, not a norm of x alone
+    and without dropout (add + RMSNorm), graph replay (H200, 2026-11-24, #57): at 4096 columns
+    16 warps instead of 8, bf16 x with an fp32 stream 83.7-84.2 -> 91.8-91.9% (4: 91.1-91.3%),
+    fp32 91.2 -> 101.0% (4: 99.6%); at 16384 8 instead of 32, with an fp32 stream 78.0-78.1 ->
+    88.0-88.1% (16: 87.8-88.0%; 32 warps spilled 28 bytes at 64 registers), fp32 98.3 -> 99.7%
+    (16: 94.8%)."""
     if tail:  # two blocks of a padded 8192 or 16384, from the sweeps of TAIL_BLOCKS
         if block_n > 8192:
             return 16
@@ -550,6 +603,8 @@ def bwd_num_warps(
         return 8 if partials >= 4 else 4
     if plain and partials == 1 and block_n in (4096, 8192):
         return block_n // 1024
+    if elem_bytes == 4 and partials == 1 and not (dropout or plain) and block_n in (4096, 16384):
+        return {4096: 16, 16384: 8}[block_n]
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
     if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:
@@ -597,10 +652,22 @@ BWD_STAGE_BYTES = 200 * 1024
 
 
 def bwd_row_stages(
-    block_n: int, row_bytes_per_col: int, dropout: bool, num_chunks: int, partials: int
+    block_n: int,
+    row_bytes_per_col: int,
+    dropout: bool,
+    num_chunks: int,
+    partials: int,
+    plain_full: bool = False,
 ) -> int:
     """num_stages of the backward's row loop; ``row_bytes_per_col`` sums the element sizes of
-    the per-row tensors it loads (s, dy, dy1, dresidual_out, x)."""
+    the per-row tensors it loads (s, dy, dy1, dresidual_out, x). ``plain_full``: a norm of x
+    alone whose row fills its one block, no padding. RMSNorm's (one partial) 2048-column rows
+    take 2 stages: graph replay (H200, 2026-11-24, bench/NOTES.md #57), bf16 91.1-92.4 ->
+    94.2-94.3% of copy in two runs (3 stages 92.4%), fp16 92.9 -> 94.5%; but padded to that
+    block, 1536 columns lost 95.0 -> 85.4%, and at 2048 add + RMSNorm (96.5 -> 95.8%) and
+    LayerNorm (86.9 -> 78.7%) lost."""
+    if plain_full and partials == 1 and block_n == 2048 and num_chunks == 1 and not dropout:
+        return 2
     if not (dropout or num_chunks > 1 or (partials >= 2 and block_n >= 4096)):
         return 1
     stages = min(BWD_ROW_STAGES, BWD_STAGE_BYTES // (block_n * row_bytes_per_col))

@@ -215,13 +215,14 @@ def _fwd_plan(
     kind = config.fwd_hold_kind(
         x_dtype, residual_out_dtype, plain != "" and not has_rowscale and not has_layerscale
     )
-    block_n, split = config.fwd_split(n, elem_bytes, dev, has_x1 or dropout)
+    block_n, split = config.fwd_split(n, elem_bytes, dev, has_x1 or dropout, dropout and not has_x1)
     lane = None
     if split > 1:
         num_chunks, rows = 1, 1
         kernel_block, tail = block_n, 0
         hold = config.fwd_hold(kind, split, has_x1)
-        num_warps = config.fwd_split_warps(plain, split, kind if hold else "")
+        dropout_2k = dropout and not has_x1 and block_n == 2048
+        num_warps = config.fwd_split_warps(plain, split, kind if hold else "", dropout_2k)
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
@@ -255,6 +256,12 @@ def _fwd_plan(
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
     )
     maxnreg = config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
+    if split == 1:  # one 16K block of 4-byte elements with dropout or x1: its own choices
+        wide = config.fwd_wide_block(
+            block_n, num_chunks, tail, elem_bytes, x_dtype.itemsize, dropout, has_x1, dev
+        )
+        if wide:
+            num_warps, maxnreg = wide
     return split, rows, num_warps, maxnreg, constexprs
 
 
@@ -359,8 +366,12 @@ def _bwd_plan(
     row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
     exchange = _exchanges(c12)
+    # A norm of x alone whose row fills its one block (config.bwd_row_stages).
+    plain_full = (dresidual_out is None and dresidual is None and dx1 is None and x0 is None
+                  and rowscale is None and layerscale is None and dropout_p == 0.0 and not tail
+                  and s.shape[-1] == block_n)  # fmt: skip
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
-    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials)
+    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full)
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     if exchange:  # the row loop waits on other programs: not pipelined
         stages = 1

@@ -640,6 +640,7 @@ def split_rows(value: int) -> patched_config:
     (``fused_norm.config.FWD_SPLIT_*``), with up to 64 parts per row whatever the device's SM
     count."""
     return patched_config(FWD_SPLIT_MIN_BYTES=value, FWD_SPLIT_BLOCK_BYTES=value,
+                          FWD_SPLIT_DROPOUT_64K_BYTES=value,
                           sm_count=lambda device: 64)  # fmt: skip
 
 

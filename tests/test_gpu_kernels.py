@@ -32,6 +32,11 @@ FLAGS = {
     "x1_w1": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same"),
     # A 16-bit stream with dropout: the forward's register cap (config.fwd_maxnreg) applies.
     "drop_add_ln_prenorm": dict(residual_dtype="same", dropout_p=0.1, prenorm=True),
+    # An fp32 stream: the 4-byte rows' launch choices (config.fwd_wide_block, bwd_num_warps).
+    "add_rms_prenorm_fp32res": dict(is_rms_norm=True, has_bias=False, residual_dtype=FP32,
+                                    prenorm=True),
+    "x1_w1_fp32res": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype=FP32,
+                          prenorm=True),
 }  # fmt: skip
 
 MATRIX = (
@@ -70,6 +75,17 @@ MATRIX = (
     # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
     + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
+    # Rows of 4-byte elements (bench/NOTES.md #57): one 16K block with dropout under a cap of
+    # 64 (bf16 x, fp32 stream) or on 32 warps under 80 (fp32), x1 with an fp32 stream on 32
+    # warps under 64, split rows with dropout on 2 warps; add + RMSNorm's backward on 16
+    # warps at 4096 columns, 8 at 16384.
+    + [("drop_add_ln_prenorm_fp32res", n, d) for n, d in ((16384, BF16), (16384, FP32))]
+    + [("drop_add_ln_prenorm_fp32res", 65536, BF16), ("x1_w1_fp32res", 16384, BF16)]
+    + [("add_rms_prenorm_fp32res", n, BF16) for n in (4096, 16384)]
+    + [("add_rms_prenorm", 4096, FP32)]
+    # 64 KB rows with dropout in 16 parts of 2K columns on 2 warps (config.fwd_split; bf16
+    # above), RMSNorm's backward at 2048 columns on 2 stages (config.bwd_row_stages).
+    + [("drop_add_ln_prenorm", 32768, FP16), ("rms", 2048, BF16)]
 )
 
 

@@ -193,6 +193,9 @@ def test_hold_rule():
     config.split_rows_ok, config.sm_count = (lambda d: True), (lambda d: 132)
     try:
         assert config.fwd_split(32768, 2, gpu, True) == (4096, 8)
+        # 64 KB rows heavy by dropout alone: 2K-column parts (bench/NOTES.md #57)
+        assert config.fwd_split(32768, 2, gpu, True, True) == (2048, 16)
+        assert config.fwd_split(65536, 2, gpu, True, True) == (4096, 16)
         assert config.fwd_split(32768, 2, gpu, False) == (0, 1)
         assert config.fwd_split(16384, 4, gpu, True) == (0, 1)
         assert config.fwd_split(65536, 2, gpu, False) == (4096, 16)
@@ -342,6 +345,82 @@ def test_backward_register_cap_reaches_the_launch(monkeypatch):
 
     assert maxnreg(torch.bfloat16) == 64
     assert maxnreg(torch.float32) is None
+
+
+def test_launch_of_rows_of_4_byte_elements(monkeypatch):
+    """bench/NOTES.md #57: fp32 rows and rows with an fp32 stream. A one-block 16K-column
+    forward with dropout or x1 takes FWD_WIDE_ELEM_BLOCK's warps and cap (through ops' plan,
+    on NVIDIA GPUs only); their split rows with dropout take 2 warps; add + RMSNorm's
+    backward takes 16 warps at 4096 columns and 8 at 16384."""
+    from fused_norm import config
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    # (block_n, num_chunks, tail, elem_bytes, x_bytes, dropout, x1, device)
+    assert config.fwd_wide_block(16384, 1, 0, 4, 2, True, False, gpu) == (16, 64)
+    assert config.fwd_wide_block(16384, 1, 0, 4, 4, True, False, gpu) == (32, 80)
+    assert config.fwd_wide_block(16384, 1, 0, 4, 2, False, True, gpu) == (32, 64)
+    for args in ((16384, 1, 0, 4, 2, True, False, cpu), (16384, 1, 0, 2, 2, True, False, gpu),
+                 (16384, 1, 4096, 4, 2, True, False, gpu), (8192, 1, 0, 4, 2, True, False, gpu),
+                 (16384, 2, 0, 4, 2, True, False, gpu), (16384, 1, 0, 4, 4, False, True, gpu),
+                 (16384, 1, 0, 4, 2, True, True, gpu), (16384, 1, 0, 4, 2, False, False, gpu)):  # fmt: skip
+        assert config.fwd_wide_block(*args) is None, args
+    assert config.fwd_split_warps("", 32, "", dropout_2k=True) == 2
+    assert config.fwd_split_warps("", 32, "") == 4
+    # ops' plan: (split, rows, num_warps, maxnreg, constexprs)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def plan(n, x, stream, dropout, x1=False):
+        return ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, True, x1, x1,
+                             False, False, False, dropout, False, False)[:4]  # fmt: skip
+
+    assert plan(16384, bf16, fp32, True) == (1, 1, 16, 64)
+    assert plan(16384, fp32, fp32, True) == (1, 1, 32, 80)
+    assert plan(16384, bf16, fp32, False, x1=True) == (1, 1, 32, 64)
+    assert plan(16384, bf16, bf16, True) == (1, 1, 16, 64)  # 16-bit rows: fwd_maxnreg, as before
+    assert plan(16384, bf16, fp32, False)[2:] == (16, None)  # add + RMSNorm: unchanged
+    assert plan(65536, bf16, fp32, True)[::2] == (32, 2)  # split, 2 warps
+    assert plan(65536, bf16, fp32, False, x1=True)[::2] == (32, 4)
+    # 32K 16-bit columns with dropout: 16 parts of 2K columns on 2 warps under the cap of 64
+    assert plan(32768, bf16, bf16, True) == (16, 1, 2, 64)
+    assert plan(32768, bf16, bf16, False, x1=True)[::2] == (8, 4)  # the x1 path: 4K parts
+    assert plan(65536, bf16, bf16, True)[::2] == (16, 4)
+    # backward warps: (block_n, partials, dropout, tail, plain, elem_bytes)
+    assert config.bwd_num_warps(4096, 1, elem_bytes=4) == 16
+    assert config.bwd_num_warps(16384, 1, elem_bytes=4) == 8
+    assert config.bwd_num_warps(16384, 1) == 32  # 16-bit rows keep 32
+    assert config.bwd_num_warps(4096, 1, plain=True, elem_bytes=4) == 4  # RMSNorm of x alone
+    assert config.bwd_num_warps(16384, 1, plain=True, elem_bytes=4) == 32
+    assert config.bwd_num_warps(4096, 1, dropout=True, elem_bytes=4) == 8
+    assert config.bwd_num_warps(4096, 2, elem_bytes=4) == 8
+
+
+def test_backward_stages_of_a_plain_rmsnorm_at_2048():
+    """bench/NOTES.md #57: RMSNorm of x alone whose 2048-column row fills its block pipelines
+    its row loop over 2 stages; padded rows (1536), add + RMSNorm and LayerNorm keep 1."""
+    from fused_norm import config
+    from fused_norm.launch import Stand
+
+    assert config.bwd_row_stages(2048, 4, False, 1, 1, plain_full=True) == 2
+    assert config.bwd_row_stages(2048, 4, False, 1, 1) == 1
+    assert config.bwd_row_stages(2048, 4, False, 1, 2, plain_full=True) == 1
+    assert config.bwd_row_stages(4096, 4, False, 1, 1, plain_full=True) == 1
+    cpu = torch.device("cpu")
+
+    def stages(n, residual=False, rms=True):
+        t = Stand(torch.bfloat16, (1, n))
+        r = t if residual else None
+        flags = ops._bwd_plan(cpu, t, t, None, r, None, None, None, None, None, None, None,
+                              not rms, False, 0.0, rms, False, 2048, 1, 0, 1 if rms else 2,
+                              4)[0]  # fmt: skip
+        return flags["ROW_STAGES"]
+
+    assert stages(2048) == 2
+    assert stages(1536) == 1
+    assert stages(2048, residual=True) == 1
+    assert stages(2048, rms=False) == 1
 
 
 def test_backward_exchange_layout(monkeypatch):
