@@ -9,7 +9,7 @@ kernels; bench/bench.py measures what users see.
 Usage: python bench/sweep.py [--out DIR] [--ns ...] [--fwd-warps 8,16] [--bwd-warps ...]
        [--bwd-warps-per-sm 16,32] [--bwd-max-bytes 16384,65536]
        [--bwd-tile-bytes 8192,16384] [--bwd-stages 1,3] [--bwd-rows 1,4] [--fwd-rows 1,8]
-       [--dtype bf16|fp16|fp32] [--workloads ln,...]
+       [--dtype bf16|fp16|fp32|bf16_res32] [--workloads ln,...]
        [--fwd-split auto,off,16384,32768]  (forward split rows: off, or parts of that many bytes,
        splitting every row wider than one part) [--tail auto,on,off]  (widths that are not a
        power of two as two blocks where measured, wherever narrower, or never: TAIL_BLOCKS)
