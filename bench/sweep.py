@@ -384,7 +384,7 @@ def main():
                 kind = config.fwd_hold_kind(
                     dtype, None if plain else (RES_DTYPE[0] or dtype), plain != ""
                 )  # fmt: skip
-                bn, split = config.fwd_split(n, eb, device, drop or workload == "parallel", drop)
+                bn, split = config.fwd_split(n, eb, device, drop, workload == "parallel")
                 nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
                     bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)

@@ -346,7 +346,6 @@ def fwd_wide_block(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_
 # True holds the stream there too (the sweep compares them; the one-block variant measured
 # above was taken out of the kernel); False holds nothing.
 FWD_HOLD = "measured"
-HOLD_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
@@ -442,21 +441,21 @@ FWD_SPLIT_SUB_N = 128
 
 
 def fwd_split(
-    n_cols: int, elem_bytes: int, device: torch.device, heavy: bool = False, dropout: bool = False
+    n_cols: int, elem_bytes: int, device: torch.device, dropout: bool = False, x1: bool = False
 ) -> tuple[int, int]:
     """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
 
-    Rows wider than FWD_SPLIT_MIN_BYTES split; ``heavy`` rows (dropout or the x1 path: more
-    work per column) from FWD_SPLIT_MIN_BYTES on. At exactly 64 KB (32K 16-bit columns, else
-    one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16, bench/NOTES.md #30)
-    measured 8 parts of 4K columns against the one block: dropout + add + LayerNorm 73 -> 85% of
-    copy, the x1 path 77 -> 84%; add + RMSNorm 98 -> 96% keeps the block. Norms of x alone in
+    Rows wider than FWD_SPLIT_MIN_BYTES split; heavy rows (with ``dropout`` or the ``x1``
+    path: more work per column) from FWD_SPLIT_MIN_BYTES on. At exactly 64 KB (32K 16-bit
+    columns, else one block of 16 warps) a graph-replay sweep of 2026-11-23 (H200, bf16,
+    bench/NOTES.md #30) measured 8 parts of 4K columns against the one block: dropout + add +
+    LayerNorm 73 -> 85% of copy, the x1 path 77 -> 84%; add + RMSNorm 98 -> 96% keeps the block. Norms of x alone in
     bf16 split there too from 2026-11-24 (held parts: RMSNorm 84 -> 91%, LayerNorm 65 -> 72%,
     bench/NOTES.md #37) until lane-summed chunks beat both (FWD_LANE_CHUNKS, NOTES #40). A 64 KB
     row of wider elements (16K fp32 columns) keeps its one block even when heavy: the x1 path
     93 -> 98%, dropout + add + LayerNorm 88% either way (fp32 sweep of 2026-11-23, NOTES #36).
 
-    A 64 KB row heavy by its ``dropout`` alone (no x1) splits into parts of
+    A 64 KB row heavy by its dropout alone (no x1) splits into parts of
     FWD_SPLIT_DROPOUT_64K_BYTES (16 of 2K columns, on 2 warps: fwd_split_warps): graph replay
     (H200, 2026-11-24, bench/NOTES.md #57), dropout + add + LayerNorm bf16 91.5-91.9 ->
     92.8-93.9% of copy in three runs, fp16 90.6 -> 93.7% (2K parts on 4 warps: 76.9%). Wider
@@ -464,13 +463,13 @@ def fwd_split(
     83.3-83.4%), as does the x1 path (95.7 -> 96.7% at 32K, but 92.8 -> 90.1% at 256K)."""
     row_bytes = n_cols * elem_bytes
     if row_bytes < FWD_SPLIT_MIN_BYTES or (
-        row_bytes == FWD_SPLIT_MIN_BYTES and not (heavy and elem_bytes <= 2)
+        row_bytes == FWD_SPLIT_MIN_BYTES and not ((dropout or x1) and elem_bytes <= 2)
     ):
         return 0, 1
     if not split_rows_ok(device):
         return 0, 1
     part_bytes = FWD_SPLIT_BLOCK_BYTES
-    if row_bytes == FWD_SPLIT_MIN_BYTES and dropout:
+    if row_bytes == FWD_SPLIT_MIN_BYTES and dropout and not x1:
         part_bytes = FWD_SPLIT_DROPOUT_64K_BYTES
     block_n = max(part_bytes // elem_bytes, 8)
     split = cdiv(n_cols, block_n)
@@ -544,6 +543,10 @@ def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
     return FWD_ROWS_PER_PROGRAM if num_chunks == 1 and block_n <= widest else 1
 
 
+# add + RMSNorm's backward of 4-byte rows: warps by block (bwd_num_warps; bench/NOTES.md #57).
+BWD_WIDE_ELEM_WARPS = {4096: 16, 16384: 8}
+
+
 def bwd_num_warps(
     block_n: int,
     partials: int = 1,
@@ -603,8 +606,13 @@ def bwd_num_warps(
         return 8 if partials >= 4 else 4
     if plain and partials == 1 and block_n in (4096, 8192):
         return block_n // 1024
-    if elem_bytes == 4 and partials == 1 and not (dropout or plain) and block_n in (4096, 16384):
-        return {4096: 16, 16384: 8}[block_n]
+    if (
+        elem_bytes == 4
+        and partials == 1
+        and not (dropout or plain)
+        and block_n in BWD_WIDE_ELEM_WARPS
+    ):
+        return BWD_WIDE_ELEM_WARPS[block_n]
     if partials >= 4 and block_n <= 2048:
         return 1 if block_n <= 512 else 2
     if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:

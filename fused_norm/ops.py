@@ -215,7 +215,7 @@ def _fwd_plan(
     kind = config.fwd_hold_kind(
         x_dtype, residual_out_dtype, plain != "" and not has_rowscale and not has_layerscale
     )
-    block_n, split = config.fwd_split(n, elem_bytes, dev, has_x1 or dropout, dropout and not has_x1)
+    block_n, split = config.fwd_split(n, elem_bytes, dev, dropout, has_x1)
     lane = None
     if split > 1:
         num_chunks, rows = 1, 1
@@ -363,7 +363,9 @@ def _bwd_plan(
     """(constexprs, stage_key, maxnreg) of the backward kernel: its flags with the pipeline's
     stage count (ROW_STAGES, last), the key under which a stage count that did not fit is
     remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins."""
-    row_bytes = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
+    # The per-row tensors the kernel loads: their bytes per column, and the widest.
+    row_sizes = [t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None]
+    row_bytes = sum(row_sizes)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
     exchange = _exchanges(c12)
     # A norm of x alone whose row fills its one block (config.bwd_row_stages).
@@ -400,9 +402,8 @@ def _bwd_plan(
         ),
         ROW_STAGES=stages,
     )
-    wide = max(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     maxnreg = config.bwd_maxnreg(
-        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, wide
+        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes)
     )
     return flags, key, maxnreg
 

@@ -192,12 +192,12 @@ def test_hold_rule():
     old = (config.split_rows_ok, config.sm_count)
     config.split_rows_ok, config.sm_count = (lambda d: True), (lambda d: 132)
     try:
-        assert config.fwd_split(32768, 2, gpu, True) == (4096, 8)
+        assert config.fwd_split(32768, 2, gpu, x1=True) == (4096, 8)
         # 64 KB rows heavy by dropout alone: 2K-column parts (bench/NOTES.md #57)
-        assert config.fwd_split(32768, 2, gpu, True, True) == (2048, 16)
-        assert config.fwd_split(65536, 2, gpu, True, True) == (4096, 16)
+        assert config.fwd_split(32768, 2, gpu, dropout=True) == (2048, 16)
+        assert config.fwd_split(65536, 2, gpu, dropout=True) == (4096, 16)
         assert config.fwd_split(32768, 2, gpu, False) == (0, 1)
-        assert config.fwd_split(16384, 4, gpu, True) == (0, 1)
+        assert config.fwd_split(16384, 4, gpu, x1=True) == (0, 1)
         assert config.fwd_split(65536, 2, gpu, False) == (4096, 16)
         assert config.fwd_split_warps("ln", 8, "bf16") == 2
         assert config.fwd_split_warps("ln", 16, "") == 4
