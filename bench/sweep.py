@@ -296,6 +296,7 @@ def main():
     lane_chunks = dict(config.FWD_LANE_CHUNKS)
     exchange = config.BWD_EXCHANGE
     wide_block = config.fwd_wide_block
+    x1_w4_warps = config.fwd_x1_w4_warps
     dropout_64k_bytes = config.FWD_SPLIT_DROPOUT_64K_BYTES
     exchange_layout = config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS
     for n, workload, mode, tail, hold, ev, lchunk, unroll, exch in itertools.product(
@@ -347,6 +348,7 @@ def main():
             if fw:
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
+                config.fwd_x1_w4_warps = lambda *a: None
             if mr and mode == "fwd":
                 config.fwd_maxnreg = lambda *a, _r=mr: _r
             elif mr:
@@ -384,14 +386,17 @@ def main():
                 kind = config.fwd_hold_kind(
                     dtype, None if plain else (RES_DTYPE[0] or dtype), plain != ""
                 )  # fmt: skip
-                bn, split = config.fwd_split(n, eb, device, drop, workload == "parallel")
+                wb = WEIGHT_DTYPE[0].itemsize
+                bn, split = config.fwd_split(n, eb, device, drop, workload == "parallel",
+                                             ln_w4=plain == "ln" and wb == 4)  # fmt: skip
                 nc, tl_, fr_, lane = 1, 0, 1, None
                 if split == 1:
                     bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)
                 held = config.fwd_hold(kind, split, workload == "parallel")
                 warps = (config.fwd_split_warps(plain, split, kind if held else "",
-                                                drop and bn == 2048) if split > 1
-                         else config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
+                                                drop and bn == 2048, wb) if split > 1
+                         else config.fwd_x1_w4_warps(bn, nc, tl_, eb, workload == "parallel", wb)
+                         or config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
                 maxnreg = config.fwd_maxnreg(
                     bn, nc, split, drop, workload == "parallel", eb, device
                 )
@@ -405,8 +410,9 @@ def main():
                         f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
             else:
                 partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
+                heavy_w4 = (drop or workload == "parallel") and WEIGHT_DTYPE[0].itemsize == 4
                 bn, nc, tl_, bw_, exch_ = config.bwd_launch_layout(
-                    n, eb, partials, drop, workload in ("ln", "rms"), device
+                    n, eb, partials, drop, workload in ("ln", "rms"), device, heavy_w4
                 )
                 desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
                         f"wps={config.BWD_WARPS_PER_SM} "
@@ -433,6 +439,7 @@ def main():
                 config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS = exchange_layout
                 config.FWD_CHUNK_EVICT = evict
                 config.fwd_wide_block = wide_block
+                config.fwd_x1_w4_warps = x1_w4_warps
                 config.FWD_SPLIT_DROPOUT_64K_BYTES = dropout_64k_bytes
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)

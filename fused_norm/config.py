@@ -331,6 +331,25 @@ def fwd_wide_block(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_
     return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
 
 
+# The x1 path's one-block forward rows of 16-bit elements whose weights are 4 bytes (fp32
+# parameters beside bf16 activations: four weight vectors read again for every row), by
+# (padded block, held as two blocks): warps. Graph replay (H200, bf16 x, fp32 weights,
+# 2026-11-24, bench/NOTES.md #59), two runs: 8192 columns 8 -> 16 warps 89.0-89.2 ->
+# 97.0-97.1% of copy, 6144 (8192 with a 2048 tail) 4 -> 16 warps 96.6-96.9 -> 99.1-99.8%,
+# 16384 16 -> 32 warps 83.7-83.9 -> 85.7%; 12288 keeps 16 (32: 75%), 4096 its 8 (16: +0.5).
+FWD_X1_W4_WARPS = {(8192, False): 16, (8192, True): 16, (16384, False): 32}
+
+
+def fwd_x1_w4_warps(
+    block_n: int, num_chunks: int, tail: int, elem_bytes: int, x1: bool, weight_bytes: int
+):
+    """Warps of a one-block x1-path forward row of 16-bit elements with 4-byte weights, from
+    FWD_X1_W4_WARPS by its padded block; None elsewhere (fwd_num_warps decides)."""
+    if not W4_RULES or not x1 or num_chunks != 1 or elem_bytes != 2 or weight_bytes != 4:
+        return None
+    return FWD_X1_W4_WARPS.get((block_n, tail > 0))
+
+
 # A forward row whose fp32 sum s equals a 16-bit tensor (bf16 or fp16: x itself, for a norm of
 # x alone; or the residual stream, as stored) may be held in registers as that tensor instead
 # of s, from the statistics to the normalisation (kernels._widen): half the registers.
@@ -431,6 +450,13 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
 # FWD_SPLIT_SUB_N columns at a time (kernels._fwd_split_row says why GPU builds wait without a
 # bound). Sizes: the sweep in bench/NOTES.md #21.
 FWD_SPLIT_MIN_BYTES = 65536
+# A LayerNorm of x alone in 16 bits with 4-byte weight and bias splits rows wider than this
+# (fwd_split's ``ln_w4``).
+FWD_SPLIT_LN_W4_MIN_BYTES = 32768
+# The launch choices of 16-bit rows with 4-byte weights (fwd_split's ``ln_w4``,
+# fwd_split_warps, fwd_x1_w4_warps, bwd_launch_layout's ``heavy_w4``; bench/NOTES.md #59).
+# ``FUSED_NORM_W4_RULES=0`` turns them off (for A/B sweeps).
+W4_RULES = os.environ.get("FUSED_NORM_W4_RULES", "1") != "0"
 FWD_SPLIT_BLOCK_BYTES = 8192
 # ... but a 64 KB row split for its dropout alone (32K 16-bit columns, no x1) takes parts of
 # this many bytes, on 2 warps (fwd_split_warps; bench/NOTES.md #57).
@@ -441,7 +467,12 @@ FWD_SPLIT_SUB_N = 128
 
 
 def fwd_split(
-    n_cols: int, elem_bytes: int, device: torch.device, dropout: bool = False, x1: bool = False
+    n_cols: int,
+    elem_bytes: int,
+    device: torch.device,
+    dropout: bool = False,
+    x1: bool = False,
+    ln_w4: bool = False,
 ) -> tuple[int, int]:
     """(BLOCK_N, SPLIT) of a forward row split over SPLIT programs, or (0, 1) for no split.
 
@@ -460,11 +491,20 @@ def fwd_split(
     (H200, 2026-11-24, bench/NOTES.md #57), dropout + add + LayerNorm bf16 91.5-91.9 ->
     92.8-93.9% of copy in three runs, fp16 90.6 -> 93.7% (2K parts on 4 warps: 76.9%). Wider
     rows keep 4K-column parts (64K: 90.6-90.7 -> 88.8-90.0% on 2K parts, 256K 84.4-84.6 ->
-    83.3-83.4%), as does the x1 path (95.7 -> 96.7% at 32K, but 92.8 -> 90.1% at 256K)."""
+    83.3-83.4%), as does the x1 path (95.7 -> 96.7% at 32K, but 92.8 -> 90.1% at 256K).
+
+    ``ln_w4``: a LayerNorm of x alone whose weight and bias are 4 bytes wide (fp32 parameters
+    beside 16-bit activations, as autocast training has them). Its 16-bit rows wider than
+    FWD_SPLIT_LN_W4_MIN_BYTES split into parts of FWD_SPLIT_BLOCK_BYTES instead of running as
+    lane-summed chunks (fwd_lane_chunk), which read the whole row's weight and bias again from
+    L2 for every row: graph replay (H200, bf16 x, fp32 weights, 2026-11-24, bench/NOTES.md
+    #59), two runs, 32768 columns 58.1-58.2 -> 74.2-76.7% of copy, 24576 64.3-64.4 ->
+    83.0-83.6% (one block of 16 warps: 64.7% / 59.8%)."""
     row_bytes = n_cols * elem_bytes
-    if row_bytes < FWD_SPLIT_MIN_BYTES or (
+    ln_w4 = W4_RULES and ln_w4 and elem_bytes == 2 and row_bytes > FWD_SPLIT_LN_W4_MIN_BYTES
+    if not ln_w4 and (row_bytes < FWD_SPLIT_MIN_BYTES or (
         row_bytes == FWD_SPLIT_MIN_BYTES and not ((dropout or x1) and elem_bytes <= 2)
-    ):
+    )):  # fmt: skip
         return 0, 1
     if not split_rows_ok(device):
         return 0, 1
@@ -478,7 +518,9 @@ def fwd_split(
     return block_n, split
 
 
-def fwd_split_warps(plain: str, split: int, held: str = "", dropout_2k: bool = False) -> int:
+def fwd_split_warps(
+    plain: str, split: int, held: str = "", dropout_2k: bool = False, weight_bytes: int = 2
+) -> int:
     """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is
     "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts held in
     fp32, whose two reductions before the exchange went faster on more warps (bench/NOTES.md
@@ -495,11 +537,13 @@ def fwd_split_warps(plain: str, split: int, held: str = "", dropout_2k: bool = F
     4-byte elements, or 64 KB rows: fwd_split) take 2 warps (#57, graph replay): bf16 x with an
     fp32 stream 64K 83.8 -> 90.2%, 128K 84.3 -> 89.2%, 256K 82.7 -> 84.6%; fp32 64K 87.5 ->
     89.0%, 256K 84.8 -> 86.6% (the x1 path's keep 4: with an fp32 stream 256K 89.4 -> 86.8% on
-    2); 32K 16-bit columns, fwd_split's figures."""
+    2); 32K 16-bit columns, fwd_split's figures. With 4-byte weights (``weight_bytes``) held
+    RMSNorm stays on 2 warps in few parts too (graph replay, bf16 x, fp32 weights, two runs,
+    bench/NOTES.md #59): 64K 84.1-84.2 -> 89.6-89.8%, 48K 88.0-88.1 -> 91.7-91.8%."""
     if dropout_2k:
         return max(FWD_SPLIT_WARPS // 2, 1)
     if plain == "rms":
-        few = held and split <= FWD_SPLIT_FEW_PARTS
+        few = held and split <= FWD_SPLIT_FEW_PARTS and (weight_bytes < 4 or not W4_RULES)
         return FWD_SPLIT_WARPS if few else max(FWD_SPLIT_WARPS // 2, 1)
     if plain == "ln" and (held == "bf16" or split > FWD_SPLIT_FEW_PARTS):
         return max(FWD_SPLIT_WARPS // 2, 1)
@@ -713,11 +757,22 @@ def bwd_launch_layout(
     dropout: bool,
     plain: bool,
     device: torch.device,
+    heavy_w4: bool = False,
 ) -> tuple[int, int, int, int, bool]:
     """bwd_layout on ``device``, and whether its column blocks exchange their row sums: where
     the device allows it (bwd_exchange) and the row's blocks fit (bwd_exchange_fits), else the
-    layout of the row-sums pre-pass."""
-    if bwd_exchange(device):
+    layout of the row-sums pre-pass.
+
+    ``heavy_w4``: the row has dropout or the x1 path and 4-byte weights. Its 16-bit rows with
+    two or more partials take the pre-pass: each exchanging program reads its block of the
+    weights twice per row (for the next row's word and for this row), twice the bytes in
+    fp32. Graph replay (H200, bf16 x, fp32 weights, 2026-11-24, bench/NOTES.md #59), two runs,
+    exchange -> pre-pass: dropout + add + LayerNorm 12288 / 32K / 64K 58.7 / 60.1 / 59.6 ->
+    62.6-64.6 / 64.3-64.9 / 63.9-64.1% of copy, the x1 path 32K / 64K 49.4-49.6 / 48.2-49.0
+    -> 55.8-55.9 / 55.8-55.9% (12288 even); (with bf16 weights the exchange stays ahead:
+    dropout + add + LayerNorm 32K 68.7 vs 65.9%, the x1 path 65.0 vs 56.3%)."""
+    heavy_w4 = heavy_w4 and W4_RULES and elem_bytes == 2 and partials >= 2
+    if bwd_exchange(device) and not heavy_w4:
         layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, exchange=True)
         if layout[1] > 1 and bwd_exchange_fits(layout[1], partials, device):
             return (*layout, True)

@@ -171,7 +171,7 @@ def _fwd_run(
         None if x1 is None else x1.dtype, None if residual_out is None else residual_out.dtype,
         bias is not None, weight1 is not None, bias1 is not None, rowscale is not None,
         layerscale is not None, mask is not None, dropout_p > 0.0, is_rms_norm,
-        zero_centered_weight,
+        zero_centered_weight, _param_bytes(weight, bias, weight1, bias1),
     )  # fmt: skip
     plan = _FWD_PLANS.get(key)
     if plan is None:
@@ -197,12 +197,26 @@ def _fwd_run(
 _FWD_PLANS: dict = {}
 
 
+def _param_bytes(*params) -> int:
+    """Bytes of the widest element of the weights and biases given (None: absent). A plain
+    loop: torch.compile traces it from the backward's plan (no ``max(..., default=)``)."""
+    widest = 0
+    for p in params:
+        if p is not None:
+            widest = max(widest, p.element_size())
+    return widest
+
+
 def _fwd_plan(
     dev, n, x_dtype, y_dtype, residual_dtype, x1_dtype, residual_out_dtype, has_bias, has_w1,
     has_b1, has_rowscale, has_layerscale, store_mask, dropout, is_rms_norm, zero_centered_weight,
+    weight_bytes=2,
 ):  # fmt: skip
     """The forward's launch choices for rows of ``n`` columns: ``(split, rows per program,
-    num_warps, maxnreg, constexprs)``; ``split`` > 1 spreads a row over that many programs."""
+    num_warps, maxnreg, constexprs)``; ``split`` > 1 spreads a row over that many programs.
+    ``weight_bytes``: of the widest weight or bias element (fp32 parameters read again for
+    every row cost twice the L2 traffic of 16-bit ones: config.fwd_split, fwd_split_warps,
+    fwd_x1_w4_warps)."""
     elem_bytes = max(
         d.itemsize for d in (x_dtype, y_dtype, residual_dtype, x1_dtype, residual_out_dtype) if d
     )
@@ -215,18 +229,26 @@ def _fwd_plan(
     kind = config.fwd_hold_kind(
         x_dtype, residual_out_dtype, plain != "" and not has_rowscale and not has_layerscale
     )
-    block_n, split = config.fwd_split(n, elem_bytes, dev, dropout, has_x1)
+    block_n, split = config.fwd_split(
+        n, elem_bytes, dev, dropout, has_x1, ln_w4=plain == "ln" and weight_bytes == 4
+    )
     lane = None
     if split > 1:
         num_chunks, rows = 1, 1
         kernel_block, tail = block_n, 0
         hold = config.fwd_hold(kind, split, has_x1)
         dropout_2k = dropout and not has_x1 and block_n == 2048
-        num_warps = config.fwd_split_warps(plain, split, kind if hold else "", dropout_2k)
+        num_warps = config.fwd_split_warps(
+            plain, split, kind if hold else "", dropout_2k, weight_bytes
+        )
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
+        num_warps = (
+            config.fwd_x1_w4_warps(block_n, num_chunks, tail, elem_bytes, has_x1, weight_bytes)
+            or num_warps
+        )
         hold = False  # config.fwd_hold: split parts only
     constexprs = dict(
         BLOCK_N=kernel_block,
@@ -620,8 +642,9 @@ def _bwd_make_plan(
     dropout = dropout_p > 0.0
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and not own_dres and not own_dx1 and not dropout
+    heavy_w4 = (dropout or dy1 is not None) and _param_bytes(weight, bias, weight1, bias1) == 4
     block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
-        n, elem_bytes, partials, dropout, plain, dev
+        n, elem_bytes, partials, dropout, plain, dev, heavy_w4
     )
     c12 = torch.int64 if exchange else (torch.float32 if num_chunks > 1 else None)
     # What the kernel is specialised on of the buffers allocated per call: their dtypes.

@@ -37,6 +37,14 @@ FLAGS = {
                                     prenorm=True),
     "x1_w1_fp32res": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype=FP32,
                           prenorm=True),
+    # 16-bit rows with fp32 weights (autocast training): their own launch choices
+    # (config.fwd_split's ln_w4, fwd_split_warps, fwd_x1_w4_warps, bwd_launch_layout).
+    "ln_w32": dict(weight_dtype=FP32),
+    "rms_w32": dict(is_rms_norm=True, has_bias=False, weight_dtype=FP32),
+    "x1_w1_w32": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same",
+                      weight_dtype=FP32),
+    "drop_add_ln_prenorm_w32": dict(residual_dtype="same", dropout_p=0.1, prenorm=True,
+                                    weight_dtype=FP32),
 }  # fmt: skip
 
 MATRIX = (
@@ -86,6 +94,14 @@ MATRIX = (
     # 64 KB rows with dropout in 16 parts of 2K columns on 2 warps (config.fwd_split; bf16
     # above), RMSNorm's backward at 2048 columns on 2 stages (config.bwd_row_stages).
     + [("drop_add_ln_prenorm", 32768, FP16), ("rms", 2048, BF16)]
+    # fp32 weights beside 16-bit rows (bench/NOTES.md #59): plain LayerNorm rows of 24K-32K
+    # columns split (held, 2 warps), held RMSNorm in 16 parts on 2 warps, the x1 path's one
+    # block on 16 / 32 warps, and the backward of dropout / x1 rows without the exchange.
+    + [("ln_w32", n, BF16) for n in (24576, 32768)]
+    + [("ln_w32", 32768, FP16)]
+    + [("rms_w32", 65536, d) for d in (BF16, FP16)]
+    + [("x1_w1_w32", n, BF16) for n in (6144, 8192, 16384, 32768)]
+    + [("drop_add_ln_prenorm_w32", n, BF16) for n in (16384, 65536)]
 )
 
 

@@ -397,6 +397,44 @@ def test_launch_of_rows_of_4_byte_elements(monkeypatch):
     assert config.bwd_num_warps(4096, 2, elem_bytes=4) == 8
 
 
+def test_fp32_weights_launch_rules(monkeypatch):
+    """16-bit rows whose weights are 4 bytes take their own choices (bench/NOTES.md #59);
+    weights as wide as the rows keep the others."""
+    from fused_norm import config
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def plan(n, x, wb, rms=False, x1=False, stream=None):
+        return ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, not rms, x1,
+                             x1, False, False, False, False, rms, False, wb)  # fmt: skip
+
+    # LayerNorm of x alone: 24K-32K columns split into held 4K-column parts on 2 warps
+    assert plan(32768, bf16, 4)[:3] == (8, 1, 2) and plan(32768, bf16, 4)[4]["HOLD"] == 1
+    assert plan(24576, bf16, 4)[:3] == (6, 1, 2)
+    assert plan(32768, bf16, 2)[0] == 1  # 16-bit weights: lane-summed chunks
+    assert plan(16384, bf16, 4)[0] == 1  # 16K: lane-summed chunks either way
+    assert plan(16384, fp32, 4)[0] == 1  # fp32 rows (4-byte weights as always): unchanged
+    # held RMSNorm in 16 parts: 2 warps with 4-byte weights, 4 with 16-bit ones
+    assert plan(65536, bf16, 4, rms=True)[:4:2] == (16, 2)
+    assert plan(65536, bf16, 2, rms=True)[:4:2] == (16, 4)
+    # the x1 path's one block: 16 warps at 6144-8192 columns, 32 at 16384
+    for n, old, new in ((6144, 4, 16), (8192, 8, 16), (16384, 16, 32), (12288, 16, 16)):
+        assert plan(n, bf16, 2, x1=True, stream=bf16)[2] == old, n
+        assert plan(n, bf16, 4, x1=True, stream=bf16)[2] == new, n
+    assert plan(8192, fp32, 4, x1=True, stream=fp32)[2] == 8  # fp32 rows: unchanged
+    # backward: dropout or x1 with 4-byte weights take the pre-pass; RMSNorm keeps the exchange
+    assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu)[-1] is True
+    assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu, True)[-1] is False
+    assert config.bwd_launch_layout(32768, 2, 4, False, False, gpu, True)[-1] is False
+    assert config.bwd_launch_layout(32768, 2, 1, False, False, gpu, True)[-1] is True
+    assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, True)[-1] is True
+
+
 def test_backward_stages_of_a_plain_rmsnorm_at_2048():
     """bench/NOTES.md #57: RMSNorm of x alone whose 2048-column row fills its block pipelines
     its row loop over 2 stages; padded rows (1536), add + RMSNorm and LayerNorm keep 1."""
