@@ -98,12 +98,16 @@ WORKLOADS = {
     ]
 }
 
-# name -> (dtype of x, x1, y, weights and dx; dtype of the residual stream)
+# name -> (dtype of x, x1, y and dx; of the residual stream; of the weights and biases)
 DTYPES = {
-    "bf16": (torch.bfloat16, torch.bfloat16),
-    "fp16": (torch.float16, torch.float16),
-    "fp32": (torch.float32, torch.float32),
-    "bf16_res32": (torch.bfloat16, torch.float32),  # bf16 activations, fp32 residual stream
+    "bf16": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16, torch.float16),
+    "fp32": (torch.float32, torch.float32, torch.float32),
+    "bf16_res32": (torch.bfloat16, torch.float32, torch.bfloat16),  # fp32 residual stream
+    # bf16 activations beside fp32 weights and biases: what autocast training passes in (the
+    # parameters stay fp32). Not a dtype the issue sets targets for: report.py keeps its checks
+    # apart.
+    "bf16_w32": (torch.bfloat16, torch.bfloat16, torch.float32),
 }
 
 
@@ -116,7 +120,8 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     """Minimal bytes the maths moves: each tensor it needs read once, each result written once.
 
     The count is the same for every provider, so GB/s compare like with like. Per row, with
-    e = bytes of x's dtype and r = bytes of the residual stream's dtype:
+    e = bytes of x's dtype and r = bytes of the residual stream's dtype (the weights, read and
+    written once per call, count with their own dtype's bytes):
       forward reads x (and x1), the residual, the weights; writes y (and y1), residual_out,
       and the fp32 statistics (rstd, plus mean for LayerNorm: 4 bytes each per row).
       backward reads dy (and dy1), d residual_out, the saved pre-norm sum (x when there is no
@@ -127,9 +132,10 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     The dropout mask costs nothing: it is regenerated from a seed in the backward. Partial
     weight-gradient buffers of a persistent grid are an implementation detail, not counted.
     """
-    xd, rd = DTYPES[dt]
+    xd, rd, wd = DTYPES[dt]
     e = torch.finfo(xd).bits // 8
     r = torch.finfo(rd).bits // 8 if wl.residual else e
+    p = torch.finfo(wd).bits // 8
     n_in = 2 if wl.x1 else 1  # x, x1
     n_out = 2 if wl.x1 else 1  # y, y1 (and weight, weight1)
     n_param = n_out * (1 if wl.rms else 2)  # weight(s), plus bias(es) for LayerNorm
@@ -137,7 +143,7 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     fwd = (
         M * N * (e * n_in + r * wl.residual + e * n_out + r * wl.residual)
         + M * stats
-        + N * e * n_param
+        + N * p * n_param
     )
     grad_writes = e  # dx
     if wl.x1 and wl.dropout_p > 0:
@@ -148,7 +154,7 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     bwd = (
         M * N * (e * n_out + r * wl.residual + saved + grad_writes)
         + M * stats
-        + N * e * (n_out + n_param)
+        + N * p * (n_out + n_param)
     )
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
@@ -201,11 +207,17 @@ def _flash_style_forward(mod, wl: Workload):
 
 def eager_forward(wl: Workload):
     """The composition a user writes by hand, in the input dtype, as Mamba/HF blocks do:
-    the pre-norm sum is kept in the residual's dtype and cast to the weights' dtype to norm."""
+    the pre-norm sum is kept in the residual's dtype and cast to the activations' dtype to
+    norm; the norm's output keeps that dtype whatever the weights' (as fused_norm's does)."""
 
     def norm(h, w, b):
         shape = (h.shape[-1],)
-        return F.rms_norm(h, shape, w, EPS) if wl.rms else F.layer_norm(h, shape, w, b, EPS)
+        # Weights of another dtype (fp32 beside bf16 rows): the norm in the weights' dtype, as
+        # autocast runs it, cast back to the rows' (torch's CUDA layer_norm takes no mix).
+        # Both casts are no-ops where the dtypes agree.
+        g = h.to(w.dtype)
+        y = F.rms_norm(g, shape, w, EPS) if wl.rms else F.layer_norm(g, shape, w, b, EPS)
+        return y.to(h.dtype)
 
     def forward(x, w, b, r, x1, w1, b1):
         h = F.dropout(x, wl.dropout_p) if wl.dropout_p else x
@@ -214,7 +226,7 @@ def eager_forward(wl: Workload):
         if r is None:
             return (norm(h, w, b),)
         s = h + r  # type promotion keeps an fp32 residual stream in fp32
-        h = s.to(w.dtype)
+        h = s.to(x.dtype)
         if x1 is not None:
             return norm(h, w, b), norm(h, w1, b1), s
         return norm(h, w, b), s
@@ -299,13 +311,13 @@ def load_providers(names):
 
 def make_inputs(wl: Workload, dt: str, M: int, N: int, device):
     """(x, weight, bias, residual, x1, weight1, bias1) with requires_grad, and the leaves."""
-    xd, rd = DTYPES[dt]
+    xd, rd, wd = DTYPES[dt]
 
     def act(dtype):
         return torch.randn(M, N, device=device, dtype=dtype).requires_grad_()
 
     def param(center):
-        return (center + 0.1 * torch.randn(N, device=device)).to(xd).requires_grad_()
+        return (center + 0.1 * torch.randn(N, device=device)).to(wd).requires_grad_()
 
     x = act(xd)
     w = param(1.0)
@@ -321,7 +333,7 @@ def make_inputs(wl: Workload, dt: str, M: int, N: int, device):
 def make_grads(wl: Workload, dt: str, M: int, N: int, device):
     """Upstream gradients for (y, [y1], [residual_out]): fresh per provider, because Liger's
     in-place RMSNorm backward overwrites dy."""
-    xd, rd = DTYPES[dt]
+    xd, rd, _ = DTYPES[dt]
     dtypes = [xd] * (2 if wl.x1 else 1) + ([rd] if wl.residual else [])
     return [torch.randn(M, N, device=device, dtype=d) for d in dtypes]
 

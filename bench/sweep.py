@@ -202,6 +202,30 @@ def print_regs():
                 )
 
 
+def plan_desc(mode: str, evict: str) -> str:
+    """The launch choices of the variant just run, as ops planned and kept them: its plan
+    caches (``ops._FWD_PLANS`` / ``_BWD_PLANS``) were emptied before the variant
+    (config.settings_changed), so they hold its plans only. What ran, not a re-derivation of
+    config's rules."""
+    if mode == "fwd":
+        plans = list(ops._FWD_PLANS.values())
+        if len(plans) != 1:
+            return f"fwd plans={len(plans)}"
+        split, rows, warps, maxnreg, c = plans[0]
+        block = 2 * c["BLOCK_N"] if c["TAIL_N"] else c["BLOCK_N"]  # a padded block as two
+        return (f"warps={warps} rows={rows} split={block}x{split} chunks={c['NUM_CHUNKS']} "
+                f"maxnreg={maxnreg} tail={c['TAIL_N']} hold={c['HOLD'] > 0} evict={evict} "
+                f"unroll={c['UNROLL']}")  # fmt: skip
+    plans = list(ops._BWD_PLANS.values())
+    if len(plans) != 1:
+        return f"bwd plans={len(plans)}"
+    block, chunks, tail, warps = plans[0].layout
+    flags, _, maxnreg, _, _ = plans[0].kplan
+    return (f"warps={warps} rows={flags['TILE_ROWS']} wps={config.BWD_WARPS_PER_SM} "
+            f"block={block}x{chunks} stages={flags['ROW_STAGES']} maxnreg={maxnreg} "
+            f"tail={tail} exchange={flags['EXCHANGE']}")  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep-out")
@@ -378,53 +402,13 @@ def main():
                     config.FWD_SPLIT_BLOCK_BYTES = config.FWD_SPLIT_DROPOUT_64K_BYTES = st
             elif st:
                 config.bwd_row_stages = lambda *a, _s=st: _s
-            drop = workload == "drop_add_ln"
-            # the widest row element: the fp32 stream's where the workload has a residual
-            eb = 4 if res32 and workload not in ("ln", "rms") else dtype.itemsize
-            if mode == "fwd":
-                plain = workload if workload in ("ln", "rms") else ""
-                kind = config.fwd_hold_kind(
-                    dtype, None if plain else (RES_DTYPE[0] or dtype), plain != ""
-                )  # fmt: skip
-                wb = WEIGHT_DTYPE[0].itemsize
-                bn, split = config.fwd_split(n, eb, device, drop, workload == "parallel",
-                                             ln_w4=plain == "ln" and wb == 4)  # fmt: skip
-                nc, tl_, fr_, lane = 1, 0, 1, None
-                if split == 1:
-                    bn, nc, tl_, fr_, lane = config.fwd_block_layout(n, eb, plain)
-                held = config.fwd_hold(kind, split, workload == "parallel")
-                warps = (config.fwd_split_warps(plain, split, kind if held else "",
-                                                drop and bn == 2048, wb) if split > 1
-                         else config.fwd_x1_w4_warps(bn, nc, tl_, eb, workload == "parallel", wb)
-                         or config.fwd_num_warps(bn, nc, plain, tl_, lane))  # fmt: skip
-                maxnreg = config.fwd_maxnreg(
-                    bn, nc, split, drop, workload == "parallel", eb, device
-                )
-                wide = split == 1 and config.fwd_wide_block(
-                    bn, nc, tl_, eb, dtype.itemsize, drop, workload == "parallel", device
-                )
-                if wide:
-                    warps, maxnreg = wide
-                desc = (f"warps={warps} rows={fr_} split={bn}x{split} chunks={nc} maxnreg={maxnreg} "
-                        f"tail={tl_} hold={held} evict={ev} "
-                        f"unroll={config.fwd_chunk_unroll(lane, nc)}")  # fmt: skip
-            else:
-                partials = {"add_rms": 1, "rms": 1, "parallel": 4}.get(workload, 2)
-                heavy_w4 = (drop or workload == "parallel") and WEIGHT_DTYPE[0].itemsize == 4
-                bn, nc, tl_, bw_, exch_ = config.bwd_launch_layout(
-                    n, eb, partials, drop, workload in ("ln", "rms"), device, heavy_w4
-                )
-                desc = (f"warps={bw_} rows={config.bwd_tile_rows(bn, nc, tl_, drop)} "
-                        f"wps={config.BWD_WARPS_PER_SM} "
-                        f"block={bn}x{nc} stages={st or 'auto'} "
-                        f"maxnreg={config.bwd_maxnreg(bn, nc, drop, partials, device, tl_, bw_, eb)} "
-                        f"tail={tl_} exchange={exch_}")  # fmt: skip
             try:
                 ms, gbps = run(workload, n, dtype, device, mode)
                 err = ""
             except Exception as e:  # noqa: BLE001 - record and go on
                 ms, gbps, err = float("nan"), float("nan"), repr(e)[:200]
             finally:
+                desc = plan_desc(mode, ev)
                 (config.fwd_num_warps, config.bwd_num_warps, config.bwd_row_stages,
                  config.BWD_WARPS_PER_SM, config.BWD_MAX_BLOCK_BYTES,
                  config.BWD_MAX_BLOCK_BYTES_MULTI, config.BWD_TILE_BYTES,
