@@ -714,11 +714,18 @@ def environment(device, args, missing: dict) -> dict:
             memory_gb=round(p.total_memory / 1e9, 1),
             capability=f"{p.major}.{p.minor}",
         )
+    from importlib import metadata
+
     for name in ("fused_norm", "liger_kernel", "flash_attn"):
         try:
-            env[f"{name}_version"] = getattr(_import(name), "__version__", "?")
+            version = getattr(_import(name), "__version__", None)
         except Exception:
+            continue
+        try:  # Liger sets no __version__: its distribution's metadata has it
+            version = version or metadata.version(name)
+        except metadata.PackageNotFoundError:
             pass
+        env[f"{name}_version"] = version or "?"
     try:
         env["git_commit"] = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
