@@ -159,6 +159,13 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
+def bytes_per_element(wl: Workload, dt: str, mode: str) -> int:
+    """bytes_moved per element of the M·N problem (the rows' share, without the statistics'
+    bytes per row and the weights' per column): what bench/sweep.py counts."""
+    b = lambda m, n: bytes_moved(wl, dt, m, n, mode)  # noqa: E731
+    return b(2, 2) - b(2, 1) - b(1, 2) + b(1, 1)  # bytes = a*M*N + s*M + c*N (+ 0): a
+
+
 def bytes_table() -> str:
     """Markdown table of bytes per row (large M) for every workload and dtype."""
     lines = [
@@ -172,9 +179,8 @@ def bytes_table() -> str:
             cells = []
             for mode in ("fwd", "bwd", "fwd+bwd"):
                 # bytes = a*M*N + s*M + c*N: the per-row cost is a*N + s (c*N is the weights)
-                b = lambda m, n: bytes_moved(wl, dt, m, n, mode)  # noqa: B023
-                a = b(2, 2) - b(2, 1) - b(1, 2) + b(1, 1)
-                s = b(2, 1) - b(1, 1) - a
+                a = bytes_per_element(wl, dt, mode)
+                s = bytes_moved(wl, dt, 2, 1, mode) - bytes_moved(wl, dt, 1, 1, mode) - a
                 cells.append(f"{a}·N + {s}")
             lines.append(f"| {wl.name} | {dt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

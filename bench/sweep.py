@@ -35,6 +35,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's fused_norm
+import bench as bench_counts  # noqa: E402  (bench/bench.py, beside this file: bytes_moved)
 import fused_norm  # noqa: E402
 from fused_norm import config, ops  # noqa: E402
 from fused_norm.launch import Launcher  # noqa: E402
@@ -51,22 +52,6 @@ def copy_gbps(device):
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * src.numel() * src.element_size() / ms / 1e6
-
-
-def bytes_per_elem(workload, mode, eb, rb=None):
-    """Bytes per element of one call; ``eb`` those of x's dtype, ``rb`` of the residual stream's
-    (``eb`` unless --dtype bf16_res32). dx and dresidual are one tensor unless dropout or a
-    stream of another dtype makes them differ (as bench.py:bytes_moved counts)."""
-    rb = rb or eb
-    # fwd reads x, residual and writes y, residual_out. bwd reads residual_out, dy,
-    # d(residual_out) and writes dx, plus dresidual where it differs from dx.
-    if workload in ("ln", "rms"):  # fwd reads x, writes y; bwd reads x, dy, writes dx
-        return {"fwd": 2 * eb, "bwd": 3 * eb}[mode]
-    dres = rb if (workload == "drop_add_ln" or rb != eb) else 0
-    if workload == "parallel":  # fwd: x, x1, residual -> y, y1, residual_out; bwd: s, dy,
-        # dy1, d(residual_out) -> dx (= dx1, and dresidual where the stream's dtype is x's)
-        return {"fwd": 4 * eb + 2 * rb, "bwd": 3 * eb + 2 * rb + dres}[mode]
-    return {"fwd": 2 * eb + 2 * rb, "bwd": 2 * eb + 2 * rb + dres}[mode]
 
 
 WEIGHT_DTYPE = [torch.float32]  # --weight-dtype
@@ -136,8 +121,10 @@ def run(workload, n, dtype, device, mode):
             dy, s, w, b if p else None, None, None, mean, rstd, dresidual_out=dr, seeds=seeds,
             dropout_p=p, is_rms_norm=workload == "add_rms", x_dtype=dtype,
             residual_dtype=rdt))  # fmt: skip
-    rb = res.element_size() if workload not in ("ln", "rms") else None
-    gbps = bytes_per_elem(workload, mode, x.element_size(), rb) * m * n / ms / 1e6
+    # bench.py's count per element; its dtype names by (x's dtype, the stream's)
+    dt = next(k for k, v in bench_counts.DTYPES.items() if v[:2] == (dtype, rdt))
+    wl = bench_counts.WORKLOADS["parallel_ln" if workload == "parallel" else workload]
+    gbps = bench_counts.bytes_per_element(wl, dt, mode) * m * n / ms / 1e6
     return ms, gbps
 
 

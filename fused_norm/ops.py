@@ -244,11 +244,9 @@ def _fwd_plan(
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
-        num_warps = config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
-        num_warps = (
-            config.fwd_x1_w4_warps(block_n, num_chunks, tail, elem_bytes, has_x1, weight_bytes)
-            or num_warps
-        )
+        num_warps = config.fwd_x1_w4_warps(
+            block_n, num_chunks, tail, elem_bytes, has_x1, weight_bytes
+        ) or config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
     constexprs = dict(
         BLOCK_N=kernel_block,
