@@ -306,8 +306,7 @@ def main():
     evict = config.FWD_CHUNK_EVICT
     lane_chunks = dict(config.FWD_LANE_CHUNKS)
     exchange = config.BWD_EXCHANGE
-    wide_block = config.fwd_wide_block
-    x1_w4_warps = config.fwd_x1_w4_warps
+    block_choice = config.fwd_block_choice
     dropout_64k_bytes = config.FWD_SPLIT_DROPOUT_64K_BYTES
     exchange_layout = config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS
     for n, workload, mode, tail, hold, ev, lchunk, unroll, exch in itertools.product(
@@ -354,12 +353,17 @@ def main():
             elif lchunk and workload in ("ln", "rms"):
                 config.FWD_LANE_CHUNKS[(workload, n)] = (lchunk, fw or 16, unroll != "off")
             config.settings_changed()  # the edits in place above: ops' plans must go
-            if fw or (mr and mode == "fwd"):  # explicit choices replace the wide rows' own
-                config.fwd_wide_block = lambda *a: None
-            if fw:
+            if fw:  # explicit warps replace the one-block rows' own choices (cap too)
+                config.fwd_block_choice = lambda *a: None
                 config.fwd_num_warps = lambda *a, _w=fw: _w
                 config.fwd_split_warps = lambda *a, _w=fw: _w
-                config.fwd_x1_w4_warps = lambda *a: None
+            elif mr and mode == "fwd":  # an explicit cap keeps their own warps
+
+                def capped(*a, _r=mr):
+                    own = block_choice(*a)
+                    return own and (own[0], _r)
+
+                config.fwd_block_choice = capped
             if mr and mode == "fwd":
                 config.fwd_maxnreg = lambda *a, _r=mr: _r
             elif mr:
@@ -409,8 +413,7 @@ def main():
                 config.BWD_EXCHANGE = exchange
                 config.BWD_EXCHANGE_TILE_BYTES, config.BWD_EXCHANGE_WARPS = exchange_layout
                 config.FWD_CHUNK_EVICT = evict
-                config.fwd_wide_block = wide_block
-                config.fwd_x1_w4_warps = x1_w4_warps
+                config.fwd_block_choice = block_choice
                 config.FWD_SPLIT_DROPOUT_64K_BYTES = dropout_64k_bytes
                 config.FWD_LANE_CHUNKS.clear()
                 config.FWD_LANE_CHUNKS.update(lane_chunks)

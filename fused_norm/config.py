@@ -319,35 +319,40 @@ FWD_WIDE_ELEM_BLOCK = {
     (2, False, True): (32, 64),
 }
 
-
-def fwd_wide_block(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_bytes: int,
-                   dropout: bool, x1: bool, device: torch.device):  # fmt: skip
-    """(warps, register cap) of a one-block forward row of 16K columns (``block_n``, no
-    ``tail``) whose widest element is 4 bytes, from FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the
-    bytes of x, and its ``dropout`` and ``x1``; None elsewhere (fwd_num_warps and fwd_maxnreg
-    decide) and where the compiler takes no register caps."""
-    if block_n != 16384 or num_chunks != 1 or tail or elem_bytes != 4 or not _nvidia(device):
-        return None
-    return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
-
-
 # The x1 path's one-block forward rows of 16-bit elements whose weights are 4 bytes (fp32
 # parameters beside bf16 activations: four weight vectors read again for every row), by
-# (padded block, held as two blocks): warps. Graph replay (H200, bf16 x, fp32 weights,
-# 2026-11-24, bench/NOTES.md #59), two runs: 8192 columns 8 -> 16 warps 89.0-89.2 ->
+# (padded block, held as two blocks): (warps, register cap). Graph replay (H200, bf16 x, fp32
+# weights, 2026-11-24, bench/NOTES.md #59), two runs: 8192 columns 8 -> 16 warps 89.0-89.2 ->
 # 97.0-97.1% of copy, 6144 (8192 with a 2048 tail) 4 -> 16 warps 96.6-96.9 -> 99.1-99.8%,
 # 16384 16 -> 32 warps 83.7-83.9 -> 85.7%; 12288 keeps 16 (32: 75%), 4096 its 8 (16: +0.5).
-FWD_X1_W4_WARPS = {(8192, False): 16, (8192, True): 16, (16384, False): 32}
+# 16384 on 32 warps then capped at 96 (50 -> 64 registers, no spills; #62, two runs): bf16 x
+# 85.7-86.1 -> 86.8-87.1%, fp16 x 84.7-85.1 -> 86.8-87.5%, 14336 (the same padded block)
+# 84.7-85.0 -> 85.9-86.1%; caps of 80 and 112 compile to the same 64 registers; at 12288 (16
+# warps) any cap of 80-112 loses (95.6 -> 73%).
+FWD_X1_W4_BLOCK = {(8192, False): (16, None), (8192, True): (16, None), (16384, False): (32, 96)}
 
 
-def fwd_x1_w4_warps(
-    block_n: int, num_chunks: int, tail: int, elem_bytes: int, x1: bool, weight_bytes: int
-):
-    """Warps of a one-block x1-path forward row of 16-bit elements with 4-byte weights, from
-    FWD_X1_W4_WARPS by its padded block; None elsewhere (fwd_num_warps decides)."""
-    if not W4_RULES or not x1 or num_chunks != 1 or elem_bytes != 2 or weight_bytes != 4:
+def fwd_block_choice(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_bytes: int,
+                     weight_bytes: int, dropout: bool, x1: bool,
+                     device: torch.device):  # fmt: skip
+    """(warps, register cap or None) of one-block forward rows that have choices of their own,
+    in place of fwd_num_warps and fwd_maxnreg; None elsewhere. A 16K-column row (``block_n``,
+    no ``tail``) whose widest element is 4 bytes, with ``dropout`` or ``x1``: from
+    FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the bytes of x (on NVIDIA GPUs only). The x1 path's
+    16-bit rows with 4-byte weights (``weight_bytes``): FWD_X1_W4_BLOCK by the padded block
+    (its register cap on NVIDIA GPUs only, which take caps)."""
+    if num_chunks != 1:
         return None
-    return FWD_X1_W4_WARPS.get((block_n, tail > 0))
+    if elem_bytes == 4:
+        if block_n != 16384 or tail or not _nvidia(device):
+            return None
+        return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
+    if not W4_RULES or not x1 or elem_bytes != 2 or weight_bytes != 4:
+        return None
+    own = FWD_X1_W4_BLOCK.get((block_n, tail > 0))
+    if own is None:
+        return None
+    return own if _nvidia(device) else (own[0], None)
 
 
 # A forward row whose fp32 sum s equals a 16-bit tensor (bf16 or fp16: x itself, for a norm of
@@ -454,7 +459,8 @@ FWD_SPLIT_MIN_BYTES = 65536
 # (fwd_split's ``ln_w4``).
 FWD_SPLIT_LN_W4_MIN_BYTES = 32768
 # The launch choices of 16-bit rows with 4-byte weights (fwd_split's ``ln_w4``,
-# fwd_split_warps, fwd_x1_w4_warps, bwd_launch_layout's ``heavy_w4``; bench/NOTES.md #59).
+# fwd_split_warps, fwd_block_choice's FWD_X1_W4_BLOCK, bwd_launch_layout's ``heavy_w4``;
+# bench/NOTES.md #59, #62).
 # ``FUSED_NORM_W4_RULES=0`` turns them off (for A/B sweeps).
 W4_RULES = os.environ.get("FUSED_NORM_W4_RULES", "1") != "0"
 FWD_SPLIT_BLOCK_BYTES = 8192

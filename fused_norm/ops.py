@@ -216,7 +216,7 @@ def _fwd_plan(
     num_warps, maxnreg, constexprs)``; ``split`` > 1 spreads a row over that many programs.
     ``weight_bytes``: of the widest weight or bias element (fp32 parameters read again for
     every row cost twice the L2 traffic of 16-bit ones: config.fwd_split, fwd_split_warps,
-    fwd_x1_w4_warps)."""
+    fwd_block_choice)."""
     elem_bytes = max(
         d.itemsize for d in (x_dtype, y_dtype, residual_dtype, x1_dtype, residual_out_dtype) if d
     )
@@ -232,7 +232,7 @@ def _fwd_plan(
     block_n, split = config.fwd_split(
         n, elem_bytes, dev, dropout, has_x1, ln_w4=plain == "ln" and weight_bytes == 4
     )
-    lane = None
+    lane = own = None
     if split > 1:
         num_chunks, rows = 1, 1
         kernel_block, tail = block_n, 0
@@ -244,9 +244,12 @@ def _fwd_plan(
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
-        num_warps = config.fwd_x1_w4_warps(
-            block_n, num_chunks, tail, elem_bytes, has_x1, weight_bytes
-        ) or config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
+        # rows with warps and a register cap of their own (config.fwd_block_choice)
+        own = config.fwd_block_choice(
+            block_n, num_chunks, tail, elem_bytes, x_dtype.itemsize, weight_bytes, dropout,
+            has_x1, dev,
+        )  # fmt: skip
+        num_warps = own[0] if own else config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
     constexprs = dict(
         BLOCK_N=kernel_block,
@@ -275,13 +278,11 @@ def _fwd_plan(
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
     )
-    maxnreg = config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
-    if split == 1:  # one 16K block of 4-byte elements with dropout or x1: its own choices
-        wide = config.fwd_wide_block(
-            block_n, num_chunks, tail, elem_bytes, x_dtype.itemsize, dropout, has_x1, dev
-        )
-        if wide:
-            num_warps, maxnreg = wide
+    maxnreg = (
+        own[1]
+        if own
+        else config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
+    )
     return split, rows, num_warps, maxnreg, constexprs
 
 

@@ -32,13 +32,13 @@ FLAGS = {
     "x1_w1": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same"),
     # A 16-bit stream with dropout: the forward's register cap (config.fwd_maxnreg) applies.
     "drop_add_ln_prenorm": dict(residual_dtype="same", dropout_p=0.1, prenorm=True),
-    # An fp32 stream: the 4-byte rows' launch choices (config.fwd_wide_block, bwd_num_warps).
+    # An fp32 stream: the 4-byte rows' launch choices (config.fwd_block_choice, bwd_num_warps).
     "add_rms_prenorm_fp32res": dict(is_rms_norm=True, has_bias=False, residual_dtype=FP32,
                                     prenorm=True),
     "x1_w1_fp32res": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype=FP32,
                           prenorm=True),
     # 16-bit rows with fp32 weights (autocast training): their own launch choices
-    # (config.fwd_split's ln_w4, fwd_split_warps, fwd_x1_w4_warps, bwd_launch_layout).
+    # (config.fwd_split's ln_w4, fwd_split_warps, fwd_block_choice, bwd_launch_layout).
     "ln_w32": dict(weight_dtype=FP32),
     "rms_w32": dict(is_rms_norm=True, has_bias=False, weight_dtype=FP32),
     "x1_w1_w32": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same",
@@ -101,6 +101,8 @@ MATRIX = (
     + [("ln_w32", 32768, FP16)]
     + [("rms_w32", 65536, d) for d in (BF16, FP16)]
     + [("x1_w1_w32", n, BF16) for n in (6144, 8192, 16384, 32768)]
+    # ... the x1 path's 16K forward block under a cap of 96 (bench/NOTES.md #62)
+    + [("x1_w1_w32", 16384, FP16)]
     + [("drop_add_ln_prenorm_w32", n, BF16) for n in (16384, 65536)]
 )
 

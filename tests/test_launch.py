@@ -356,15 +356,20 @@ def test_launch_of_rows_of_4_byte_elements(monkeypatch):
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+
+    def choice(block_n, chunks, tail, elem_bytes, x_bytes, dropout, x1, device):
+        return config.fwd_block_choice(block_n, chunks, tail, elem_bytes, x_bytes, 2, dropout,
+                                       x1, device)  # fmt: skip
+
     # (block_n, num_chunks, tail, elem_bytes, x_bytes, dropout, x1, device)
-    assert config.fwd_wide_block(16384, 1, 0, 4, 2, True, False, gpu) == (16, 64)
-    assert config.fwd_wide_block(16384, 1, 0, 4, 4, True, False, gpu) == (32, 80)
-    assert config.fwd_wide_block(16384, 1, 0, 4, 2, False, True, gpu) == (32, 64)
+    assert choice(16384, 1, 0, 4, 2, True, False, gpu) == (16, 64)
+    assert choice(16384, 1, 0, 4, 4, True, False, gpu) == (32, 80)
+    assert choice(16384, 1, 0, 4, 2, False, True, gpu) == (32, 64)
     for args in ((16384, 1, 0, 4, 2, True, False, cpu), (16384, 1, 0, 2, 2, True, False, gpu),
                  (16384, 1, 4096, 4, 2, True, False, gpu), (8192, 1, 0, 4, 2, True, False, gpu),
                  (16384, 2, 0, 4, 2, True, False, gpu), (16384, 1, 0, 4, 4, False, True, gpu),
                  (16384, 1, 0, 4, 2, True, True, gpu), (16384, 1, 0, 4, 2, False, False, gpu)):  # fmt: skip
-        assert config.fwd_wide_block(*args) is None, args
+        assert choice(*args) is None, args
     assert config.fwd_split_warps("", 32, "", dropout_2k=True) == 2
     assert config.fwd_split_warps("", 32, "") == 4
     # ops' plan: (split, rows, num_warps, maxnreg, constexprs)
@@ -422,11 +427,19 @@ def test_fp32_weights_launch_rules(monkeypatch):
     # held RMSNorm in 16 parts: 2 warps with 4-byte weights, 4 with 16-bit ones
     assert plan(65536, bf16, 4, rms=True)[:4:2] == (16, 2)
     assert plan(65536, bf16, 2, rms=True)[:4:2] == (16, 4)
-    # the x1 path's one block: 16 warps at 6144-8192 columns, 32 at 16384
-    for n, old, new in ((6144, 4, 16), (8192, 8, 16), (16384, 16, 32), (12288, 16, 16)):
-        assert plan(n, bf16, 2, x1=True, stream=bf16)[2] == old, n
-        assert plan(n, bf16, 4, x1=True, stream=bf16)[2] == new, n
+    # the x1 path's one block: 16 warps at 6144-8192 columns, 32 at 16384 capped at 96
+    for n, old, new, cap in ((6144, 4, 16, None), (8192, 8, 16, None), (16384, 16, 32, 96),
+                             (12288, 16, 16, None)):  # fmt: skip
+        assert plan(n, bf16, 2, x1=True, stream=bf16)[2:4] == (old, None), n
+        assert plan(n, bf16, 4, x1=True, stream=bf16)[2:4] == (new, cap), n
+    assert plan(16384, torch.float16, 4, x1=True, stream=torch.float16)[2:4] == (32, 96)
     assert plan(8192, fp32, 4, x1=True, stream=fp32)[2] == 8  # fp32 rows: unchanged
+    # ... and the cap only where the compiler takes caps
+    monkeypatch.setattr(config, "_nvidia", lambda device: False)
+    assert plan(16384, bf16, 4, x1=True, stream=bf16)[2:4] == (32, None)
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    assert ops._fwd_plan(gpu, 16384, bf16, bf16, bf16, bf16, bf16, True, True, True, False,
+                         False, False, False, False, False, 4)[2:4] == (32, 96)  # fmt: skip
     # backward: dropout or x1 with 4-byte weights take the pre-pass; RMSNorm keeps the exchange
     assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu)[-1] is True
     assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu, True)[-1] is False
