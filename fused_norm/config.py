@@ -340,7 +340,7 @@ def fwd_block_choice(block_n: int, num_chunks: int, tail: int, elem_bytes: int, 
     no ``tail``) whose widest element is 4 bytes, with ``dropout`` or ``x1``: from
     FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the bytes of x (on NVIDIA GPUs only). The x1 path's
     16-bit rows with 4-byte weights (``weight_bytes``): FWD_X1_W4_BLOCK by the padded block
-    (its register cap on NVIDIA GPUs only, which take caps)."""
+    (its register cap on NVIDIA GPUs only, which take caps), unless W4_RULES is off."""
     if num_chunks != 1:
         return None
     if elem_bytes == 4:
