@@ -340,14 +340,14 @@ def fwd_block_choice(block_n: int, num_chunks: int, tail: int, elem_bytes: int, 
     no ``tail``) whose widest element is 4 bytes, with ``dropout`` or ``x1``: from
     FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the bytes of x (on NVIDIA GPUs only). The x1 path's
     16-bit rows with 4-byte weights (``weight_bytes``): FWD_X1_W4_BLOCK by the padded block
-    (its register cap on NVIDIA GPUs only, which take caps), unless W4_RULES is off."""
+    (its register cap on NVIDIA GPUs only, which take caps)."""
     if num_chunks != 1:
         return None
     if elem_bytes == 4:
         if block_n != 16384 or tail or not _nvidia(device):
             return None
         return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
-    if not W4_RULES or not x1 or elem_bytes != 2 or weight_bytes != 4:
+    if not x1 or elem_bytes != 2 or weight_bytes != 4:
         return None
     own = FWD_X1_W4_BLOCK.get((block_n, tail > 0))
     if own is None:
@@ -461,7 +461,8 @@ FWD_SPLIT_LN_W4_MIN_BYTES = 32768
 # The launch choices of 16-bit rows with 4-byte weights (fwd_split's ``ln_w4``,
 # fwd_split_warps, fwd_block_choice's FWD_X1_W4_BLOCK, bwd_launch_layout's ``heavy_w4``;
 # bench/NOTES.md #59, #62).
-# ``FUSED_NORM_W4_RULES=0`` turns them off (for A/B sweeps).
+# ``FUSED_NORM_W4_RULES=0`` turns them off (for A/B sweeps): ops then hands every rule 4-byte
+# weights as 16-bit ones (ops._param_bytes), so the rules themselves do not ask.
 W4_RULES = os.environ.get("FUSED_NORM_W4_RULES", "1") != "0"
 FWD_SPLIT_BLOCK_BYTES = 8192
 # ... but a 64 KB row split for its dropout alone (32K 16-bit columns, no x1) takes parts of
@@ -507,7 +508,7 @@ def fwd_split(
     #59), two runs, 32768 columns 58.1-58.2 -> 74.2-76.7% of copy, 24576 64.3-64.4 ->
     83.0-83.6% (one block of 16 warps: 64.7% / 59.8%)."""
     row_bytes = n_cols * elem_bytes
-    ln_w4 = W4_RULES and ln_w4 and elem_bytes == 2 and row_bytes > FWD_SPLIT_LN_W4_MIN_BYTES
+    ln_w4 = ln_w4 and elem_bytes == 2 and row_bytes > FWD_SPLIT_LN_W4_MIN_BYTES
     if not ln_w4 and (row_bytes < FWD_SPLIT_MIN_BYTES or (
         row_bytes == FWD_SPLIT_MIN_BYTES and not ((dropout or x1) and elem_bytes <= 2)
     )):  # fmt: skip
@@ -549,7 +550,7 @@ def fwd_split_warps(
     if dropout_2k:
         return max(FWD_SPLIT_WARPS // 2, 1)
     if plain == "rms":
-        few = held and split <= FWD_SPLIT_FEW_PARTS and (weight_bytes < 4 or not W4_RULES)
+        few = held and split <= FWD_SPLIT_FEW_PARTS and weight_bytes < 4
         return FWD_SPLIT_WARPS if few else max(FWD_SPLIT_WARPS // 2, 1)
     if plain == "ln" and (held == "bf16" or split > FWD_SPLIT_FEW_PARTS):
         return max(FWD_SPLIT_WARPS // 2, 1)
@@ -777,7 +778,7 @@ def bwd_launch_layout(
     62.6-64.6 / 64.3-64.9 / 63.9-64.1% of copy, the x1 path 32K / 64K 49.4-49.6 / 48.2-49.0
     -> 55.8-55.9 / 55.8-55.9% (12288 even); (with bf16 weights the exchange stays ahead:
     dropout + add + LayerNorm 32K 68.7 vs 65.9%, the x1 path 65.0 vs 56.3%)."""
-    heavy_w4 = heavy_w4 and W4_RULES and elem_bytes == 2 and partials >= 2
+    heavy_w4 = heavy_w4 and elem_bytes == 2 and partials >= 2
     if bwd_exchange(device) and not heavy_w4:
         layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, exchange=True)
         if layout[1] > 1 and bwd_exchange_fits(layout[1], partials, device):

@@ -198,13 +198,15 @@ _FWD_PLANS: dict = {}
 
 
 def _param_bytes(*params) -> int:
-    """Bytes of the widest element of the weights and biases given (None: absent). A plain
-    loop: torch.compile traces it from the backward's plan (no ``max(..., default=)``)."""
+    """Bytes of the widest element of the weights and biases given (None: absent), as the
+    launch rules see them: with config.W4_RULES off, 4-byte ones count as 2 (the rules of
+    4-byte weights, bench/NOTES.md #59, then never apply). A plain loop: torch.compile traces
+    it from the backward's plan (no ``max(..., default=)``)."""
     widest = 0
     for p in params:
         if p is not None:
             widest = max(widest, p.element_size())
-    return widest
+    return widest if config.W4_RULES or widest != 4 else 2
 
 
 def _fwd_plan(
