@@ -165,17 +165,23 @@ def _fwd_run(
     if m == 0:
         return
     dev = x.device
-    # Everything the launch choices depend on but the row count (which only sizes the grid).
+    # Everything the launch choices depend on but the row count (which only sizes the grid); the
+    # parameters by their dtypes (None where absent), from which a miss derives _fwd_plan's
+    # flags and weight bytes, so that a hit reads no element sizes.
+    params = (weight.dtype, None if bias is None else bias.dtype,
+              None if weight1 is None else weight1.dtype, None if bias1 is None else bias1.dtype)  # fmt: skip
     key = (
         dev, n, x.dtype, y.dtype, None if residual is None else residual.dtype,
         None if x1 is None else x1.dtype, None if residual_out is None else residual_out.dtype,
-        bias is not None, weight1 is not None, bias1 is not None, rowscale is not None,
-        layerscale is not None, mask is not None, dropout_p > 0.0, is_rms_norm,
-        zero_centered_weight, _param_bytes(weight, bias, weight1, bias1),
+        rowscale is not None, layerscale is not None, mask is not None, dropout_p > 0.0,
+        is_rms_norm, zero_centered_weight, params,
     )  # fmt: skip
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        plan = _FWD_PLANS[key] = _fwd_plan(*key)
+        plan = _FWD_PLANS[key] = _fwd_plan(
+            *key[:7], bias is not None, weight1 is not None, bias1 is not None, *key[7:13],
+            _param_bytes(weight, bias, weight1, bias1),
+        )  # fmt: skip
     split, rows, num_warps, maxnreg, constexprs = plan
     ws = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws`
