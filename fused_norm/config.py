@@ -389,8 +389,8 @@ def fwd_hold_kind(x_dtype: torch.dtype, stream_dtype, s_is_x: bool) -> str:
 # 92.0%, 92.3 -> 89.9%).
 FWD_HOLD_X1_FP16_PARTS = 32
 
-# Split rows of at most this many parts (64K 16-bit columns) take other warps and, in fp16,
-# LayerNorm's widening route (fwd_split_warps, fwd_hold_reread; bench/NOTES.md #25, #55).
+# Split rows of at most this many parts (64K 16-bit columns) take other warps (fwd_split_warps;
+# bench/NOTES.md #25, #55, #64).
 FWD_SPLIT_FEW_PARTS = 16
 
 
@@ -405,17 +405,21 @@ def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
     return kind == "fp16 stream" and x1 and split > FWD_HOLD_X1_FP16_PARTS
 
 
-def fwd_hold_reread(kind: str, split: int) -> bool:
-    """Whether held parts of a LayerNorm row take the exact M2 (where the joint form cancels,
-    kernels._cancels) over s read again from memory instead of over the held columns widened
-    (kernels._fwd_split_row, HOLD = 2): fp16 rows of more than 16 parts. fp16's widening of
-    every held column at once took 112-119 registers on 2 warps (67 with the read), so those
-    parts ran on 4; with the read on 2 warps, graph replay (H200, 2026-11-24, bench/NOTES.md
-    #55, two runs): 128K columns 70.4-72.0 -> 76.0-77.5% of copy, 256K 64.7-65.9 -> 69.3-70.5%;
-    at 64K even (77.5 -> 77.0-77.4%) but 76.1 -> 74.2-74.6% in the benchmark, and the read on
-    4 warps cost 2.3 points (75.2%): rows of at most 16 parts keep the widening on 4 warps.
-    bf16 widens by a shift, 62 registers either way, and lost 2.5 points with the read."""
-    return kind in ("fp16", "fp16 stream") and split > FWD_SPLIT_FEW_PARTS
+def fwd_hold_route(kind: str, is_rms_norm: bool) -> int:
+    """How a held split part widens its 16 bits again (the kernel's HOLD): 1 by
+    ``kernels._widen``'s bit route, 2 by ``kernels._convert_copy`` (one conversion of a copy
+    the compiler cannot merge with the statistics'), for fp16 LayerNorm rows: x alone, or the
+    x1 path's stream (fwd_hold). Its registers were set by the exact M2 (where the joint form
+    cancels, kernels._cancels) widening every held column through the bit route at once:
+    offline (triton 3.6, sm_90), LayerNorm 64K columns on 2 warps 112 -> 80 registers, at
+    128K-256K 80 where the part had read s again from memory instead (64-67, which that read
+    cost in time). Graph replay (H200, fp16 weights, two calls, bench/NOTES.md #64), bit route
+    or read -> conversion: 64K (4 warps) 75.4-78.0 -> 82.8-85.7% of copy, 128K (2 warps)
+    75.4-78.0 -> 77.0-78.8%, 256K 69.2-71.1 -> 75.3-76.9%; the x1 path at 256K (4 warps) 87.2
+    -> 87.8-89.1%. RMSNorm has no exact M2 to take, and its conversion after the wait took
+    more registers than the bit route (256K: 55 -> 68), so it keeps the bit route; bf16's
+    route is a shift."""
+    return 2 if kind in ("fp16", "fp16 stream") and not is_rms_norm else 1
 
 
 def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1: bool) -> bool:
@@ -535,12 +539,13 @@ def fwd_split_warps(
     H100; at 128K-256K within 2 points, and RMSNorm loses 1-5 points with 4). ``held``, the
     dtype a part is held in (fwd_hold: "bf16" or "fp16", "" for fp32): bf16 halves its
     registers, and LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 ->
-    68%, 256K 61 -> 66%). fp16 LayerNorm on 2 warps took 112-119 registers and lost (64K 78%
-    on 4 warps, 66% on 2; bench/NOTES.md #37): it keeps 4 in at most 16 parts, and takes 2
-    beyond, where its exact M2 reads s again (fwd_hold_reread). Held RMSNorm in at most 16
-    parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.8-96.1%, fp16 89.2 ->
-    91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K 90.0
-    / 77.6%). ``dropout_2k``: parts of 2048 columns of a row with dropout and no x1 (rows of
+    68%, 256K 61 -> 66%). fp16 LayerNorm keeps 4 in at most 16 parts and takes 2 beyond: with
+    its conversion (fwd_hold_route; 80 registers on 2 warps, 40 on 4) graph replay gave, 4 /
+    2 warps, 64K 82.8-85.7 / 81.7-83.4%, 128K 75.4-76.9 / 77.0-78.8%, 256K 72.9-75.5 /
+    75.3-76.9% (bench/NOTES.md #64; before it, 2 warps took 112-119 registers, #37). Held
+    RMSNorm in at most 16 parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 ->
+    95.8-96.1%, fp16 89.2 -> 91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead
+    (128K 90.9 / 88.5%, 256K 90.0 / 77.6%). ``dropout_2k``: parts of 2048 columns of a row with dropout and no x1 (rows of
     4-byte elements, or 64 KB rows: fwd_split) take 2 warps (#57, graph replay): bf16 x with an
     fp32 stream 64K 83.8 -> 90.2%, 128K 84.3 -> 89.2%, 256K 82.7 -> 84.6%; fp32 64K 87.5 ->
     89.0%, 256K 84.8 -> 86.6% (the x1 path's keep 4: with an fp32 stream 256K 89.4 -> 86.8% on

@@ -26,7 +26,8 @@ Design notes
   publishes its (mean, M2) through an int64 workspace and waits for its partners' before
   normalising, so the row is read once. Where ``s`` equals a 16-bit tensor (``HOLD``,
   config.fwd_hold: x itself for a norm of x alone) the part holds that tensor, not ``s``, across
-  the wait and widens it again exactly afterwards (``_widen``): half the registers.
+  the wait and widens it again exactly afterwards (``_widen``, or for fp16 LayerNorm
+  ``_convert_copy``): half the registers.
 * Dropout masks are never stored for the backward: each row has an int64 seed, and
   Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
   use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
@@ -373,6 +374,19 @@ def _widen(h):
 
 
 @triton.jit
+def _convert_copy(h, zero):
+    """fp16 h as fp32, by one conversion of ``h ^ zero``, where ``zero`` is 0 when the kernel
+    runs but not to the compiler. The statistics were taken from ``h.to(tl.float32)``; a second
+    conversion of h itself would be merged with that one, keeping every fp32 value live in
+    place of h, and ``_widen``'s bit route for fp16 costs integer work and registers of its
+    own (fp16 LayerNorm, 64K columns on 2 warps, offline: 112 registers either way, 80 this
+    way; bench/NOTES.md #64). A copy the compiler cannot prove equal to h is converted anew
+    where it is used."""
+    bits = (h.to(tl.uint16, bitcast=True) ^ zero.to(tl.uint16)).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _publish_missing_parts(
     X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, RESIDUAL_OUT, WS, words, parts, row, M, N,
     stride_x_row, stride_res_row, stride_x1_row, dropout_p,
@@ -476,21 +490,8 @@ def _fwd_split_row(
         if _cancels(squares, m2):
             if not HOLD:
                 d = tl.where(col_mask, s - mean_p, 0.0)
-            elif HOLD == 2:
-                # s read again (from L2: this program has just read or written it), not widened
-                # from h (config.fwd_hold_reread: fp16 rows of more than 16 parts), whose fp16
-                # route widening every held column at once took 112 registers on 2 warps (67
-                # this way, offline, 64K LayerNorm). A ".cg" load is another instruction than
-                # the row's first load, so the compiler cannot merge the two and keep s live in
-                # place of h. A stream was stored by this program: the barrier makes every
-                # thread's store visible before any thread reads.
-                if STORE_RESIDUAL_OUT:
-                    tl.debug_barrier()
-                    again = RESIDUAL_OUT + row * stride_res_out_row + ccols
-                else:
-                    again = X + row * stride_x_row + ccols
-                s_again = tl.load(again, mask=col_mask, other=0.0, cache_modifier=".cg")
-                d = tl.where(col_mask, s_again.to(tl.float32) - mean_p, 0.0)
+            elif HOLD == 2:  # N >= 0: a zero the compiler cannot see
+                d = tl.where(col_mask, _convert_copy(h, N < 0) - mean_p, 0.0)
             else:
                 d = tl.where(col_mask, _widen(h) - mean_p, 0.0)
             m2 = tl.sum(d * d, axis=0)
@@ -525,7 +526,11 @@ def _fwd_split_row(
     bits = words.to(tl.uint64, bitcast=True)
     m2s = tl.where(pmask, ((bits >> 32).to(tl.uint32) & 0x7FFFFFFF).to(tl.float32, bitcast=True),
                    0.0)  # fmt: skip
-    if HOLD:
+    if HOLD == 2:
+        # The zero from the words (every one read now has its top bit set: _pack_stats, and
+        # the padding's -1), so that the conversion depends on them and stays after the wait.
+        s = _convert_copy(h, tl.max((bits >> 63) ^ 1, axis=0))
+    elif HOLD:
         s = _widen(h)
     if IS_RMS_NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(m2s, axis=0) / N + eps)
@@ -616,7 +621,7 @@ def _fused_norm_fwd_kernel(
     SUB_N: tl.constexpr,     # columns per step where a split program computes another's part
     BOUNDED_WAIT: tl.constexpr,  # split parts stop waiting after max_polls (interpreter)
     HOLD: tl.constexpr,      # split rows: s equals a 16-bit tensor, held instead (config.fwd_hold);
-                             # 2: held, LayerNorm's exact M2 over s read again (fwd_hold_reread)
+                             # 2: fp16, widened by _convert_copy (config.fwd_hold_route)
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)

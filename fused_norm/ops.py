@@ -281,7 +281,7 @@ def _fwd_plan(
         SPLIT_P2=config.next_power_of_2(split),
         SUB_N=min(block_n, config.FWD_SPLIT_SUB_N),
         BOUNDED_WAIT=config.INTERPRETED,  # see kernels._fwd_split_row
-        HOLD=(2 if config.fwd_hold_reread(kind, split) else 1) if hold else 0,
+        HOLD=config.fwd_hold_route(kind, is_rms_norm) if hold else 0,
         EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),

@@ -305,8 +305,10 @@ def test_gpu_held_rows_match_fp32_rows_bitwise(n, dtype, is_rms_norm, hold, offs
     """Rows held in registers in 16 bits (config.FWD_HOLD: "measured" holds x in split parts,
     True also the stored stream) give bitwise the outputs of rows held in fp32, for a norm of
     x alone and with a residual and prenorm; with the mean 3 standard deviations off zero
-    LayerNorm's parts take M2 again over s - mean, s read back from memory. (At 32K columns holding also changes the layout,
-    one block to split parts: the matrix checks those rows against the reference.)"""
+    LayerNorm's parts take M2 again over s - mean, widened from the held values (fp16:
+    kernels._convert_copy, which ptxas must not merge with the first conversion). (At 32K
+    columns holding also changes the layout, one block to split parts: the matrix checks those
+    rows against the reference.)"""
     from fused_norm import config
 
     # The same parts either way: holding alone also moves LayerNorm's 16 parts to 2 warps.
@@ -324,10 +326,10 @@ def test_gpu_held_rows_match_fp32_rows_bitwise(n, dtype, is_rms_norm, hold, offs
             assert_bitwise_equal(f"{name} (residual {residual})", runs[1][name], runs[0][name])
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_gpu_widen_is_exact_for_every_16_bit_pattern(dtype):
-    """kernels._widen compiled for the GPU (ptxas may rewrite what the interpreter runs as
-    written): exact for all 65536 bit patterns."""
+@pytest.mark.parametrize("dtype, route", [(BF16, "widen"), (FP16, "widen"), (FP16, "convert")])
+def test_gpu_widen_is_exact_for_every_16_bit_pattern(dtype, route):
+    """kernels._widen and _convert_copy compiled for the GPU (ptxas may rewrite what the
+    interpreter runs as written): exact for all 65536 bit patterns."""
     from test_kernels import test_widen_is_exact_for_every_16_bit_pattern as check
 
-    check(dtype, "cuda")
+    check(dtype, route, "cuda")

@@ -33,11 +33,11 @@ from _helpers import (
     split_rows,
     tail_blocks,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fused_norm import config
-from fused_norm.kernels import _widen
+from fused_norm.kernels import _convert_copy, _widen
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Widths where off-by-one and power-of-two edges live: 1, 2, primes, 2**k - 1, 2**k, 2**k + 1.
@@ -270,19 +270,27 @@ def test_lane_chunked_rows_unrolled(arg):
 
 
 @triton.jit
-def widen_kernel(H, OUT, N: tl.constexpr):
+def widen_kernel(H, OUT, n, N: tl.constexpr, CONVERT: tl.constexpr):
     cols = tl.arange(0, N)
-    tl.store(OUT + cols, _widen(tl.load(H + cols)))
+    h = tl.load(H + cols)
+    if CONVERT:
+        out = _convert_copy(h, n < 0)  # n >= 0: the zero the kernels take from N
+    else:
+        out = _widen(h)
+    tl.store(OUT + cols, out)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_widen_is_exact_for_every_16_bit_pattern(dtype, device):
-    """kernels._widen, the held rows' route back to fp32 (config.FWD_HOLD), equals
-    ``.to(torch.float32)`` for all 65536 bit patterns: zeros, subnormals, infinities (NaNs
-    stay NaN)."""
+@pytest.mark.parametrize(
+    "dtype, route",
+    [(torch.bfloat16, "widen"), (torch.float16, "widen"), (torch.float16, "convert")],
+)
+def test_widen_is_exact_for_every_16_bit_pattern(dtype, route, device):
+    """The held rows' routes back to fp32 (config.FWD_HOLD, config.fwd_hold_route),
+    kernels._widen and, for fp16, kernels._convert_copy, equal ``.to(torch.float32)`` for all
+    65536 bit patterns: zeros, subnormals, infinities (NaNs stay NaN)."""
     h = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
     out = torch.empty(h.shape, dtype=torch.float32, device=device)
-    widen_kernel[(1,)](h, out, h.numel())
+    widen_kernel[(1,)](h, out, h.numel(), h.numel(), route == "convert")
     ref = h.float()
     nan = ref.isnan()
     assert torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
@@ -304,18 +312,26 @@ def held_cases(draw):
 
 @settings(max_examples=EXAMPLES_HELD)
 @given(arg=held_cases())
+# fp16 LayerNorm, whose route is kernels._convert_copy: x alone with the mean 3 standard
+# deviations off (the exact M2), without, and the x1 path's stored stream.
+@example(arg=(Case(shape=(3, 300), dtype=torch.float16, offset=3.0, seed=7), 256))
+@example(arg=(Case(shape=(3, 300), dtype=torch.float16, seed=8), 64))
+@example(arg=(Case(shape=(2, 200), dtype=torch.float16, residual_dtype=torch.float16,
+                   has_x1=True, prenorm=True, offset=3.0, seed=9), 64))  # fmt: skip
 def test_held_rows_match_fp32_rows_bitwise(arg):
     """A forward row held in registers as the 16-bit tensor its sum equals (config.FWD_HOLD:
-    x itself, or the stored stream; kernels._widen) gives bitwise the outputs, stream and
-    masks of the row held in fp32: the held values widen exactly; also where LayerNorm's
-    exact M2 reads s again instead (config.fwd_hold_reread, forced for every held row)."""
+    x itself, or the stored stream) gives bitwise the outputs, stream and masks of the row
+    held in fp32: the held values widen exactly, by the route config.fwd_hold_route picks
+    (kernels._convert_copy for fp16 LayerNorm) and by kernels._widen's bit route forced for
+    every held row."""
     count_example("test_held_rows_match_fp32_rows_bitwise")
     case, part_bytes = arg
     runs = []
-    for hold, reread in ((False, False), (True, False), (True, True)):
+    routes = (None, config.fwd_hold_route, lambda kind, is_rms_norm: 1)
+    for hold, route in zip((False, True, True), routes):
         t = make_inputs(case)
         torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
-        patch = patched_config(FWD_HOLD=hold, fwd_hold_reread=lambda kind, split, _r=reread: _r)
+        patch = patched_config(FWD_HOLD=hold, fwd_hold_route=route or config.fwd_hold_route)
         with split_rows(part_bytes), patch, torch.no_grad():
             runs.append(call_fused(case, t))
     outs, masks = runs[0]

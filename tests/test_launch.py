@@ -203,8 +203,12 @@ def test_hold_rule():
         assert config.fwd_split_warps("ln", 16, "") == 4
         assert config.fwd_split_warps("ln", 64, "fp16") == 2
         assert config.fwd_split_warps("ln", 16, "fp16") == 4
-        assert config.fwd_hold_reread("fp16", 64) and config.fwd_hold_reread("fp16 stream", 64)
-        assert not config.fwd_hold_reread("fp16", 16) and not config.fwd_hold_reread("bf16", 64)
+        # fp16 LayerNorm widens by a conversion, the rest by the bit route (NOTES #64).
+        assert (
+            config.fwd_hold_route("fp16", False) == config.fwd_hold_route("fp16 stream", False) == 2
+        )
+        assert config.fwd_hold_route("fp16", True) == config.fwd_hold_route("bf16", False) == 1
+        assert config.fwd_hold_route("stream", False) == 1
         assert config.fwd_split_warps("ln", 64, "") == 2
         assert config.fwd_split_warps("rms", 64, "fp16") == 2
         # Held RMSNorm in at most 16 parts on 4 warps; held in fp32, 2 (NOTES #55).
