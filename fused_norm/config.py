@@ -407,18 +407,18 @@ def fwd_hold(kind: str, split: int, x1: bool = False) -> bool:
 
 def fwd_hold_route(kind: str, is_rms_norm: bool) -> int:
     """How a held split part widens its 16 bits again (the kernel's HOLD): 1 by
-    ``kernels._widen``'s bit route, 2 by ``kernels._convert_copy`` (one conversion of a copy
-    the compiler cannot merge with the statistics'), for fp16 LayerNorm rows: x alone, or the
-    x1 path's stream (fwd_hold). Its registers were set by the exact M2 (where the joint form
-    cancels, kernels._cancels) widening every held column through the bit route at once:
-    offline (triton 3.6, sm_90), LayerNorm 64K columns on 2 warps 112 -> 80 registers, at
-    128K-256K 80 where the part had read s again from memory instead (64-67, which that read
-    cost in time). Graph replay (H200, fp16 weights, two calls, bench/NOTES.md #64), bit route
-    or read -> conversion: 64K (4 warps) 75.4-78.0 -> 82.8-85.7% of copy, 128K (2 warps)
-    75.4-78.0 -> 77.0-78.8%, 256K 69.2-71.1 -> 75.3-76.9%; the x1 path at 256K (4 warps) 87.2
-    -> 87.8-89.1%. RMSNorm has no exact M2 to take, and its conversion after the wait took
-    more registers than the bit route (256K: 55 -> 68), so it keeps the bit route; bf16's
-    route is a shift."""
+    ``kernels._widen``'s bit route, 2 by ``kernels._convert_copy`` (one conversion of a copy the
+    compiler cannot merge with the statistics'), for fp16 LayerNorm rows: x alone, or the x1
+    path's stream (fwd_hold). Their parts' registers peaked in the exact M2 (taken where the
+    joint form cancels, kernels._cancels), which widened every held column through the bit route
+    at once: offline (triton 3.6, sm_90), LayerNorm 64K columns on 2 warps 112 -> 80 registers;
+    at 128K-256K 80 against the 64-67 of the part that read s again from memory there instead, a
+    read that cost more time than the registers. Graph replay (H200, fp16 weights, two calls,
+    bench/NOTES.md #64), bit route or read -> conversion: 64K (4 warps) 75.4-78.0 -> 82.8-85.7%
+    of copy, 128K (2 warps) 75.4-78.0 -> 77.0-78.8%, 256K 69.2-71.1 -> 75.3-76.9%; the x1 path
+    at 256K (4 warps) 87.2 -> 87.8-89.1%. RMSNorm has no exact M2 to take, and its conversion
+    after the wait took more registers than the bit route (256K: 55 -> 68), so it keeps the bit
+    route; bf16's route is a shift."""
     return 2 if kind in ("fp16", "fp16 stream") and not is_rms_norm else 1
 
 

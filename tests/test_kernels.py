@@ -327,11 +327,11 @@ def test_held_rows_match_fp32_rows_bitwise(arg):
     count_example("test_held_rows_match_fp32_rows_bitwise")
     case, part_bytes = arg
     runs = []
-    routes = (None, config.fwd_hold_route, lambda kind, is_rms_norm: 1)
-    for hold, route in zip((False, True, True), routes):
+    picked, bit_route = config.fwd_hold_route, lambda kind, is_rms_norm: 1
+    for hold, route in ((False, picked), (True, picked), (True, bit_route)):
         t = make_inputs(case)
         torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
-        patch = patched_config(FWD_HOLD=hold, fwd_hold_route=route or config.fwd_hold_route)
+        patch = patched_config(FWD_HOLD=hold, fwd_hold_route=route)
         with split_rows(part_bytes), patch, torch.no_grad():
             runs.append(call_fused(case, t))
     outs, masks = runs[0]
