@@ -532,22 +532,22 @@ def fwd_split(
 def fwd_split_warps(
     plain: str, split: int, held: str = "", dropout_2k: bool = False, weight_bytes: int = 2
 ) -> int:
-    """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is
-    "ln" or "rms": half the bytes per column), except LayerNorm in at most 16 parts held in
-    fp32, whose two reductions before the exchange went faster on more warps (bench/NOTES.md
-    #25: 64K columns in bf16, 2 -> 4 warps, 58 -> 64% of copy on an H200 and 73 -> 77% on an
-    H100; at 128K-256K within 2 points, and RMSNorm loses 1-5 points with 4). ``held``, the
-    dtype a part is held in (fwd_hold: "bf16" or "fp16", "" for fp32): bf16 halves its
-    registers, and LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 ->
-    68%, 256K 61 -> 66%). fp16 LayerNorm keeps 4 in at most 16 parts and takes 2 beyond: with
-    its conversion (fwd_hold_route; 80 registers on 2 warps, 40 on 4) graph replay gave, 4 /
-    2 warps, 64K 82.8-85.7 / 81.7-83.4%, 128K 75.4-76.9 / 77.0-78.8%, 256K 72.9-75.5 /
-    75.3-76.9% (bench/NOTES.md #64; before it, 2 warps took 112-119 registers, #37). Held
-    RMSNorm in at most 16 parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 ->
-    95.8-96.1%, fp16 89.2 -> 91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead
-    (128K 90.9 / 88.5%, 256K 90.0 / 77.6%). ``dropout_2k``: parts of 2048 columns of a row with dropout and no x1 (rows of
-    4-byte elements, or 64 KB rows: fwd_split) take 2 warps (#57, graph replay): bf16 x with an
-    fp32 stream 64K 83.8 -> 90.2%, 128K 84.3 -> 89.2%, 256K 82.7 -> 84.6%; fp32 64K 87.5 ->
+    """Warps per split part: FWD_SPLIT_WARPS; half that for a norm of x alone (``plain`` is "ln"
+    or "rms": half the bytes per column), except LayerNorm in at most 16 parts held in fp32,
+    whose two reductions before the exchange went faster on more warps (bench/NOTES.md #25: 64K
+    columns in bf16, 2 -> 4 warps, 58 -> 64% of copy on an H200 and 73 -> 77% on an H100; at
+    128K-256K within 2 points, and RMSNorm loses 1-5 points with 4). ``held``, the dtype a part
+    is held in (fwd_hold: "bf16" or "fp16", "" for fp32): bf16 halves its registers, and
+    LayerNorm's 2 warps then beat 4 at every width (64K 69 -> 73%, 128K 63 -> 68%, 256K 61 ->
+    66%). fp16 LayerNorm keeps 4 in at most 16 parts and takes 2 beyond: with its conversion
+    (fwd_hold_route; 80 registers on 2 warps, 40 on 4) graph replay gave, 4 / 2 warps, 64K
+    82.8-85.7 / 81.7-83.4%, 128K 75.4-76.9 / 77.0-78.8%, 256K 72.9-75.5 / 75.3-76.9%
+    (bench/NOTES.md #64; before it, 2 warps took 112-119 registers, #37). Held RMSNorm in at
+    most 16 parts takes 4 warps (#55, three runs): bf16 64K 92.3-92.8 -> 95.8-96.1%, fp16 89.2
+    -> 91.3-92.4%, bf16 48K 94.0 -> 94.7%; with more parts 2 stay ahead (128K 90.9 / 88.5%, 256K
+    90.0 / 77.6%). ``dropout_2k``: parts of 2048 columns of a row with dropout and no x1 (rows
+    of 4-byte elements, or 64 KB rows: fwd_split) take 2 warps (#57, graph replay): bf16 x with
+    an fp32 stream 64K 83.8 -> 90.2%, 128K 84.3 -> 89.2%, 256K 82.7 -> 84.6%; fp32 64K 87.5 ->
     89.0%, 256K 84.8 -> 86.6% (the x1 path's keep 4: with an fp32 stream 256K 89.4 -> 86.8% on
     2); 32K 16-bit columns, fwd_split's figures. With 4-byte weights (``weight_bytes``) held
     RMSNorm stays on 2 warps in few parts too (graph replay, bf16 x, fp32 weights, two runs,
