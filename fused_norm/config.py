@@ -139,9 +139,9 @@ def bwd_block_tail(
     bf16 RMSNorm was 77.8% against 88.3% padded (#53). add + RMSNorm (one partial, not plain,
     no dropout) of 16-bit rows takes the padded block under its register cap (bwd_maxnreg):
     bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows keep
-    two blocks, 90.3 vs 77%; #53). Two partials without dropout also at a padded 16384
-    (bwd_block_config's rows of 8K-12K columns)."""
-    measured = BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 and not dropout else ())
+    two blocks, 90.3 vs 77%; #53). Two partials also at a padded 16384 (bwd_block_config's
+    rows of 8K-12K columns, with dropout those of 8K-10K)."""
+    measured = BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 else ())
     main, tail = block_tail(n_cols, block_n, num_chunks, measured)
     if not tail or TAIL_BLOCKS != "measured":
         return main, tail
@@ -722,19 +722,24 @@ def bwd_row_stages(
     num_chunks: int,
     partials: int,
     plain_full: bool = False,
+    tail: int = 0,
 ) -> int:
     """num_stages of the backward's row loop; ``row_bytes_per_col`` sums the element sizes of
-    the per-row tensors it loads (s, dy, dy1, dresidual_out, x). ``plain_full``: a norm of x
-    alone whose row fills its one block, no padding. RMSNorm's (one partial) 2048-column rows
-    take 2 stages: graph replay (H200, 2026-11-24, bench/NOTES.md #57), bf16 91.1-92.4 ->
-    94.2-94.3% of copy in two runs (3 stages 92.4%), fp16 92.9 -> 94.5%; but padded to that
-    block, 1536 columns lost 95.0 -> 85.4%, and at 2048 add + RMSNorm (96.5 -> 95.8%) and
-    LayerNorm (86.9 -> 78.7%) lost."""
+    the per-row tensors it loads (s, dy, dy1, dresidual_out, x), whose buffers hold the row's
+    columns (``block_n // 2 + tail`` where a padded 16384 is held as two). ``plain_full``: a
+    norm of x alone whose row fills its one block, no padding. RMSNorm's (one partial)
+    2048-column rows take 2 stages: graph replay (H200, 2026-11-24, bench/NOTES.md #57), bf16
+    91.1-92.4 -> 94.2-94.3% of copy in two runs (3 stages 92.4%), fp16 92.9 -> 94.5%; but
+    padded to that block, 1536 columns lost 95.0 -> 85.4%, and at 2048 add + RMSNorm (96.5 ->
+    95.8%) and LayerNorm (86.9 -> 78.7%) lost."""
     if plain_full and partials == 1 and block_n == 2048 and num_chunks == 1 and not dropout:
         return 2
     if not (dropout or num_chunks > 1 or (partials >= 2 and block_n >= 4096)):
         return 1
-    stages = min(BWD_ROW_STAGES, BWD_STAGE_BYTES // (block_n * row_bytes_per_col))
+    # Rows held as 8192 + tail size their buffers by the columns held (bench/NOTES.md #65); the
+    # narrower two-block rows keep the padded estimate under which their stages were measured.
+    held = block_n // 2 + tail if tail and block_n > 8192 else block_n
+    stages = min(BWD_ROW_STAGES, BWD_STAGE_BYTES // (held * row_bytes_per_col))
     return stages if stages >= 2 else 1
 
 
@@ -840,6 +845,11 @@ def bwd_exchange(device: torch.device) -> bool:
     return BWD_EXCHANGE and (_nvidia(device) or INTERPRETED)
 
 
+# The widest tail of a padded 16384-column backward row held as 8192 + tail in place of column
+# blocks (bwd_block_config; 0: none).
+BWD_HELD_TAIL_COLS = 2048
+
+
 def bwd_block_config(
     n_cols: int, elem_bytes: int, partials: int, dropout: bool = False, exchange: bool = False
 ) -> tuple[int, int]:
@@ -858,9 +868,25 @@ def bwd_block_config(
     LayerNorm at 12288, 49.5 -> 62.0% of copy (graph replay, H200, 2026-11-23, bench/NOTES.md
     #30); with dropout even (58.5 -> 60.0%), and one padded 16K block lost at 16384 (53.8 ->
     48.4%). Where the column blocks exchange their row sums (``exchange``) those rows take
-    the exchange instead: LayerNorm at 12288, 62.4 -> 63.7% (bench/NOTES.md #48)."""
+    the exchange instead: LayerNorm at 12288, 62.4 -> 63.7% (bench/NOTES.md #48).
+
+    But 16-bit rows with two partials, with or without dropout, whose tail is at most a quarter
+    of the block cap (8K-10K columns: 8192 + 2048 at most) stay one block held as two, in the
+    exchange's place too, pipelined over 3 rows (bwd_row_stages) on one wave of programs
+    (bwd_whole_waves). Graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65), two runs,
+    exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240 64.9-65.0 ->
+    82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a 4096-column
+    tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%). The rule
+    against the old plans in one call, two runs each, 16 cells (9216 and 10240 columns, bf16 and
+    fp16 rows, bf16 and fp32 weights): every cell ahead in both runs, LayerNorm 60.0-66.2 ->
+    72.1-84.5%, dropout + add + LayerNorm (with fp32 weights the pre-pass before) 51.8-67.1 ->
+    61.3-73.4%."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
+    if (num_chunks == 2 and partials == 2 and elem_bytes == 2
+            and n_cols - block_n <= BWD_HELD_TAIL_COLS
+            and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
+        return 2 * block_n, 1
     if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2 and not exchange
             and 2 * n_cols <= 3 * block_n
             and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
@@ -915,14 +941,16 @@ def bwd_whole_waves(
     (BWD_RESIDENT_GRID), where that measured faster in the same sweep (two runs each): RMSNorm
     of x alone at 4096 columns (89.0 vs 84.0% of copy: 2 waves of 4 programs per SM),
     dropout + add + LayerNorm in one block of 512-2048 columns (512: 88.8 vs 85.8%, 2048: 88.0
-    vs 86.0%, 1024 even), LayerNorm at 12288 as 8192 + 4096 (62.5 vs 60.1%)."""
+    vs 86.0%, 1024 even), LayerNorm at 12288 as 8192 + 4096 (62.5 vs 60.1%); not with a tail of
+    at most 2048 columns (LayerNorm at 9216 / 10240: one wave 82.4-84.3%, whole waves 78.0-80.8%,
+    #65)."""
     if num_chunks > 1:
         return False
     if dropout and partials == 2 and not tail and 512 <= block_n <= 2048:
         return True
     if plain and partials == 1 and block_n == 4096 and not tail:
         return True
-    return tail > 0 and block_n == 16384 and partials == 2
+    return tail > 0 and block_n == 16384 and partials == 2 and 4 * tail > block_n // 2
 
 
 def bwd_num_programs(

@@ -402,7 +402,8 @@ def _bwd_plan(
                   and rowscale is None and layerscale is None and dropout_p == 0.0 and not tail
                   and s.shape[-1] == block_n)  # fmt: skip
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
-    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full)
+    key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full,
+           tail)  # fmt: skip
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     if exchange:  # the row loop waits on other programs: not pipelined
         stages = 1

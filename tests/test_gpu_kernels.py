@@ -75,9 +75,12 @@ MATRIX = (
     # 5120 and 6144.
     + [("drop_add_ln_prenorm", 5120, BF16), ("rms", 5120, BF16), ("x1_w1", 2560, BF16)]
     + [("ln", 3000, FP32), ("add_rms_prenorm", 6144, BF16)]
-    # LayerNorm's backward at 8K-12K 16-bit columns as one program of two blocks
-    # (config.bwd_block_config); 64 KB rows split with dropout or x1 (config.fwd_split).
+    # LayerNorm's backward at 8K-10K 16-bit columns as one program of two blocks, with
+    # dropout too and beside fp32 weights (config.bwd_block_config, bench/NOTES.md #65); 64
+    # KB rows split with dropout or x1 (config.fwd_split).
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
+    + [("ln", 9216, FP16), ("drop_add_ln_prenorm", 10240, BF16)]
+    + [("drop_add_ln_prenorm_w32", 9216, BF16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of
     # 64 (config.bwd_maxnreg; 6144 above), and on 2 warps at 1024 columns (bwd_num_warps);
     # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).

@@ -502,6 +502,19 @@ def test_backward_exchange_layout(monkeypatch):
     # 2K blocks with it (bench/NOTES.md #48)
     assert config.bwd_layout(12288, 2, 2, False, True)[:3] == (16384, 1, 4096)
     assert config.bwd_launch_layout(12288, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
+    # ... but at 8K-10K, with or without dropout, held as 8K + a tail of at most 2K with the
+    # exchange too (bench/NOTES.md #65); 16-bit rows only, 11264 (a 4K tail) exchanges
+    for n, tail in ((9216, 1024), (10240, 2048)):
+        for dropout in (False, True):
+            layout = (16384, 1, tail, 16, False)
+            assert config.bwd_launch_layout(n, 2, 2, dropout, not dropout, gpu) == layout
+    assert config.bwd_launch_layout(11264, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
+    assert config.bwd_launch_layout(10240, 4, 2, False, True, gpu)[1] > 1  # fp32 rows
+    assert config.bwd_launch_layout(10240, 2, 4, False, False, gpu)[1] > 1  # the x1 path
+    # its pipeline's buffers sized by the 10240 columns held: 3 rows of s, dy, dresidual_out
+    assert config.bwd_row_stages(16384, 6, True, 1, 2, tail=2048) == 3
+    assert config.bwd_row_stages(16384, 6, True, 1, 2) == 2
+    assert config.bwd_row_stages(8192, 12, True, 1, 2, tail=1024) == 2  # padded below 16K
 
 
 def test_backward_joint_row_sums_rule():
@@ -536,6 +549,7 @@ def test_backward_grid_holds_what_fits():
     assert config.bwd_whole_waves(1024, 1, 0, 2, True, False)  # dropout + add + LayerNorm
     assert not config.bwd_whole_waves(4096, 1, 0, 2, True, False)
     assert config.bwd_whole_waves(16384, 1, 4096, 2, False, True)  # LayerNorm 12288
+    assert not config.bwd_whole_waves(16384, 1, 2048, 2, False, True)  # ... 10240 (#65)
     assert not config.bwd_whole_waves(8192, 2, 0, 2, True, False)  # column blocks
 
 
