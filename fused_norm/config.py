@@ -99,7 +99,8 @@ def block_config(n_cols: int, elem_bytes: int, max_bytes: int = 0) -> tuple[int,
 TAIL_BLOCKS = "measured"
 FWD_TAIL_BLOCKS = (4096, 8192, 16384)
 BWD_TAIL_BLOCKS = (8192,)
-BWD_TAIL_BLOCKS_LN = (16384,)  # two partials, no dropout: bwd_block_config
+BWD_TAIL_BLOCKS_LN = (16384,)  # two partials: bwd_block_config
+BWD_TAIL_BLOCKS_ONE = (32768,)  # one partial, 16-bit rows, no dropout: bwd_block_config
 
 
 def block_tail(n_cols: int, block_n: int, num_chunks: int, measured=()) -> tuple[int, int]:
@@ -140,13 +141,15 @@ def bwd_block_tail(
     no dropout) of 16-bit rows takes the padded block under its register cap (bwd_maxnreg):
     bf16 5120 columns 72.4 -> 87.1%, fp16 72.5 -> 88.0%, 6144 79.5 -> 93.8% (fp32 rows keep
     two blocks, 90.3 vs 77%; #53). Two partials also at a padded 16384 (bwd_block_config's
-    rows of 8K-12K columns, with dropout those of 8K-10K)."""
-    measured = BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 else ())
+    rows of 8K-12K columns, with dropout those of 8K-10K), one partial of 16-bit rows without
+    dropout at a padded 32768 (its rows of 16K-20K columns; add + RMSNorm too)."""
+    one_partial_16 = partials == 1 and not dropout and elem_bytes <= 2
+    measured = (BWD_TAIL_BLOCKS + (BWD_TAIL_BLOCKS_LN if partials == 2 else ())
+                + (BWD_TAIL_BLOCKS_ONE if one_partial_16 else ()))  # fmt: skip
     main, tail = block_tail(n_cols, block_n, num_chunks, measured)
     if not tail or TAIL_BLOCKS != "measured":
         return main, tail
-    one_partial_16 = partials == 1 and not dropout and elem_bytes <= 2
-    if one_partial_16 and not plain:
+    if one_partial_16 and not plain and block_n in BWD_TAIL_BLOCKS:
         return block_n, 0
     if (dropout or partials >= 4 or (one_partial_16 and plain)) and 4 * tail > main:
         return block_n, 0
@@ -775,10 +778,11 @@ def bwd_launch_layout(
     plain: bool,
     device: torch.device,
     heavy_w4: bool = False,
+    w4: bool = False,
 ) -> tuple[int, int, int, int, bool]:
     """bwd_layout on ``device``, and whether its column blocks exchange their row sums: where
     the device allows it (bwd_exchange) and the row's blocks fit (bwd_exchange_fits), else the
-    layout of the row-sums pre-pass.
+    layout of the row-sums pre-pass. ``w4``: the weights are 4-byte (bwd_block_config).
 
     ``heavy_w4``: the row has dropout or the x1 path and 4-byte weights. Its 16-bit rows with
     two or more partials take the pre-pass: each exchanging program reads its block of the
@@ -790,10 +794,10 @@ def bwd_launch_layout(
     dropout + add + LayerNorm 32K 68.7 vs 65.9%, the x1 path 65.0 vs 56.3%)."""
     heavy_w4 = heavy_w4 and elem_bytes == 2 and partials >= 2
     if bwd_exchange(device) and not heavy_w4:
-        layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, exchange=True)
+        layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, True, w4)
         if layout[1] > 1 and bwd_exchange_fits(layout[1], partials, device):
             return (*layout, True)
-    return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain), False)
+    return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain, w4=w4), False)
 
 
 # The backward of LayerNorm sums c1 = sum(xhat * wdy) and c2 = sum(wdy) of a row (or, where
@@ -845,13 +849,18 @@ def bwd_exchange(device: torch.device) -> bool:
     return BWD_EXCHANGE and (_nvidia(device) or INTERPRETED)
 
 
-# The widest tail of a padded 16384-column backward row held as 8192 + tail in place of column
-# blocks (bwd_block_config; 0: none).
-BWD_HELD_TAIL_COLS = 2048
+# A backward row just wider than its block cap is held as that block + a tail of at most
+# 1 / BWD_HELD_TAIL_DIV of it in place of column blocks (bwd_block_config; 0: never).
+BWD_HELD_TAIL_DIV = 4
 
 
 def bwd_block_config(
-    n_cols: int, elem_bytes: int, partials: int, dropout: bool = False, exchange: bool = False
+    n_cols: int,
+    elem_bytes: int,
+    partials: int,
+    dropout: bool = False,
+    exchange: bool = False,
+    w4: bool = False,
 ) -> tuple[int, int]:
     """(BLOCK_N, NUM_CHUNKS) of the backward, with ``partials`` parameter-gradient vectors.
 
@@ -871,21 +880,32 @@ def bwd_block_config(
     the exchange instead: LayerNorm at 12288, 62.4 -> 63.7% (bench/NOTES.md #48).
 
     But 16-bit rows with two partials, with or without dropout, whose tail is at most a quarter
-    of the block cap (8K-10K columns: 8192 + 2048 at most) stay one block held as two, in the
-    exchange's place too, pipelined over 3 rows (bwd_row_stages) on one wave of programs
-    (bwd_whole_waves). Graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65), two runs,
+    of the block cap (BWD_HELD_TAIL_DIV; 8K-10K columns: 8192 + 2048 at most) stay one block
+    held as two, in the exchange's place too, pipelined over 3 rows (bwd_row_stages) on one
+    wave of programs (bwd_whole_waves); so do those with one partial and no dropout at 16K-20K
+    columns (16384 + 4096 at most, on 16 warps, unpipelined; with 4-byte weights (``w4``) 16384
+    + 2048 at most). Two partials: Graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65), two runs,
     exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240 64.9-65.0 ->
     82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a 4096-column
     tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%). The rule
     against the old plans in one call, two runs each, 16 cells (9216 and 10240 columns, bf16 and
     fp16 rows, bf16 and fp32 weights): every cell ahead in both runs, LayerNorm 60.0-66.2 ->
     72.1-84.5%, dropout + add + LayerNorm (with fp32 weights the pre-pass before) 51.8-67.1 ->
-    61.3-73.4%."""
+    61.3-73.4%. One partial, graph replay, two runs (#65): RMSNorm at 18432 68.0 -> 89.6-89.7%,
+    20480 67.1-67.2 -> 73.0-73.1% (24576, an 8K tail, lost: 67.6-67.9 -> 56.2-57.0%), add +
+    RMSNorm 73.1-73.3 -> 87.7-87.9% and 72.5-72.6 -> 78.5% (24576: 73.2-73.5 -> 45.2-45.5%);
+    on 32 warps 56.7-86.2%, pipelined over 2 rows 40.5-56.8%. Against the old plans (16 cells
+    as above, two runs): 18432 ahead in every cell, RMSNorm 67.8-70.7 -> 87.5-89.5%, add +
+    RMSNorm 72.8-74.1 -> 84.2-87.4%; 20480 with 16-bit weights RMSNorm 67.4-70.3 -> 72.8-77.7%,
+    add + RMSNorm 72.1-73.6 -> 78.2-84.7%, but with fp32 weights -1.7 to +1.8 points (fp16 rows'
+    RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
-    if (num_chunks == 2 and partials == 2 and elem_bytes == 2
-            and n_cols - block_n <= BWD_HELD_TAIL_COLS
-            and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in BWD_TAIL_BLOCKS_LN))):  # fmt: skip
+    held = BWD_TAIL_BLOCKS_LN if partials == 2 else BWD_TAIL_BLOCKS_ONE
+    div = BWD_HELD_TAIL_DIV * (2 if w4 and partials == 1 else 1)
+    if (div and num_chunks == 2 and elem_bytes == 2 and (n_cols - block_n) * div <= block_n
+            and (partials == 2 or (partials == 1 and not dropout))
+            and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in held))):  # fmt: skip
         return 2 * block_n, 1
     if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2 and not exchange
             and 2 * n_cols <= 3 * block_n
@@ -909,12 +929,13 @@ def bwd_layout(
     dropout: bool,
     plain: bool,
     exchange: bool = False,
+    w4: bool = False,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, TAIL_N, warps) of the backward: the padded block and its column
     blocks (bwd_block_config; with ``exchange``, those of rows wider than a block exchange
     their row sums: bwd_exchange), the tail where that block is held as two (bwd_block_tail:
     its first block is then BLOCK_N // 2) and the warps (bwd_num_warps)."""
-    block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout, exchange)
+    block_n, num_chunks = bwd_block_config(n_cols, elem_bytes, partials, dropout, exchange, w4)
     tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout, plain, elem_bytes)[1]
     if num_chunks > 1 and exchange:
         return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS

@@ -81,6 +81,8 @@ MATRIX = (
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
     + [("ln", 9216, FP16), ("drop_add_ln_prenorm", 10240, BF16)]
     + [("drop_add_ln_prenorm_w32", 9216, BF16)]
+    # ... and one weight gradient's rows at 16K-20K, 16384 + a tail of at most 4096 (#65)
+    + [("rms", 18432, BF16), ("add_rms_prenorm", 20480, FP16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of
     # 64 (config.bwd_maxnreg; 6144 above), and on 2 warps at 1024 columns (bwd_num_warps);
     # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
