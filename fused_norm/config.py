@@ -729,7 +729,7 @@ def bwd_row_stages(
 ) -> int:
     """num_stages of the backward's row loop; ``row_bytes_per_col`` sums the element sizes of
     the per-row tensors it loads (s, dy, dy1, dresidual_out, x), whose buffers hold the row's
-    columns (``block_n // 2 + tail`` where a padded 16384 is held as two). ``plain_full``: a
+    columns (``block_n // 2 + tail`` where a padded 16K or 32K is held as two). ``plain_full``: a
     norm of x alone whose row fills its one block, no padding. RMSNorm's (one partial)
     2048-column rows take 2 stages: graph replay (H200, 2026-11-24, bench/NOTES.md #57), bf16
     91.1-92.4 -> 94.2-94.3% of copy in two runs (3 stages 92.4%), fp16 92.9 -> 94.5%; but
@@ -739,8 +739,8 @@ def bwd_row_stages(
         return 2
     if not (dropout or num_chunks > 1 or (partials >= 2 and block_n >= 4096)):
         return 1
-    # Rows held as 8192 + tail size their buffers by the columns held (bench/NOTES.md #65); the
-    # narrower two-block rows keep the padded estimate under which their stages were measured.
+    # Rows held as 8192 (16384) + tail size their buffers by the columns held (bench/NOTES.md
+    # #65); narrower two-block rows keep the padded estimate their stages were measured under.
     held = block_n // 2 + tail if tail and block_n > 8192 else block_n
     stages = min(BWD_ROW_STAGES, BWD_STAGE_BYTES // (held * row_bytes_per_col))
     return stages if stages >= 2 else 1
@@ -881,24 +881,24 @@ def bwd_block_config(
 
     But 16-bit rows with two partials, with or without dropout, whose tail is at most a quarter
     of the block cap (BWD_HELD_TAIL_DIV; 8K-10K columns: 8192 + 2048 at most) stay one block
-    held as two, in the exchange's place too, pipelined over 3 rows (bwd_row_stages) on one
-    wave of programs (bwd_whole_waves); so do those with one partial and no dropout at 16K-20K
+    held as two, in the exchange's place too, pipelined over 3 rows (bwd_row_stages) on one wave
+    of programs (bwd_whole_waves); so do those with one partial and no dropout at 16K-20K
     columns (16384 + 4096 at most, on 16 warps, unpipelined; with 4-byte weights (``w4``) 16384
-    + 2048 at most). Two partials: Graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65), two runs,
-    exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240 64.9-65.0 ->
-    82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a 4096-column
-    tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%). The rule
-    against the old plans in one call, two runs each, 16 cells (9216 and 10240 columns, bf16 and
-    fp16 rows, bf16 and fp32 weights): every cell ahead in both runs, LayerNorm 60.0-66.2 ->
-    72.1-84.5%, dropout + add + LayerNorm (with fp32 weights the pre-pass before) 51.8-67.1 ->
-    61.3-73.4%. One partial, graph replay, two runs (#65): RMSNorm at 18432 68.0 -> 89.6-89.7%,
-    20480 67.1-67.2 -> 73.0-73.1% (24576, an 8K tail, lost: 67.6-67.9 -> 56.2-57.0%), add +
-    RMSNorm 73.1-73.3 -> 87.7-87.9% and 72.5-72.6 -> 78.5% (24576: 73.2-73.5 -> 45.2-45.5%);
-    on 32 warps 56.7-86.2%, pipelined over 2 rows 40.5-56.8%. Against the old plans (16 cells
-    as above, two runs): 18432 ahead in every cell, RMSNorm 67.8-70.7 -> 87.5-89.5%, add +
-    RMSNorm 72.8-74.1 -> 84.2-87.4%; 20480 with 16-bit weights RMSNorm 67.4-70.3 -> 72.8-77.7%,
-    add + RMSNorm 72.1-73.6 -> 78.2-84.7%, but with fp32 weights -1.7 to +1.8 points (fp16 rows'
-    RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there."""
+    + 2048 at most). Two partials, graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65),
+    two runs, exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240
+    64.9-65.0 -> 82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a
+    4096-column tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%).
+    The rule against the old plans in one call, two runs each, 16 cells (9216 and 10240 columns,
+    bf16 and fp16 rows, bf16 and fp32 weights): every cell ahead in both runs, LayerNorm
+    60.0-66.2 -> 72.1-84.5%, dropout + add + LayerNorm (with fp32 weights the pre-pass before)
+    51.8-67.1 -> 61.3-73.4%. One partial, graph replay, two runs (#65): RMSNorm at 18432 68.0 ->
+    89.6-89.7%, 20480 67.1-67.2 -> 73.0-73.1% (24576, an 8K tail, lost: 67.6-67.9 ->
+    56.2-57.0%), add + RMSNorm 73.1-73.3 -> 87.7-87.9% and 72.5-72.6 -> 78.5% (24576: 73.2-73.5
+    -> 45.2-45.5%); on 32 warps 56.7-86.2%, pipelined over 2 rows 40.5-56.8%. Against the old
+    plans (16 cells as above, two runs): 18432 ahead in every cell, RMSNorm 67.8-70.7 ->
+    87.5-89.5%, add + RMSNorm 72.8-74.1 -> 84.2-87.4%; 20480 with 16-bit weights RMSNorm
+    67.4-70.3 -> 72.8-77.7%, add + RMSNorm 72.1-73.6 -> 78.2-84.7%, but with fp32 weights -1.7
+    to +1.8 points (fp16 rows' RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
     held = BWD_TAIL_BLOCKS_LN if partials == 2 else BWD_TAIL_BLOCKS_ONE

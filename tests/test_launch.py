@@ -510,23 +510,20 @@ def test_backward_exchange_layout(monkeypatch):
             assert config.bwd_launch_layout(n, 2, 2, dropout, not dropout, gpu) == layout
     assert config.bwd_launch_layout(11264, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
     # one partial without dropout (RMSNorm, add + RMSNorm) at 16K-20K: 16384 + at most 4096,
-    # on 16 warps; an 8K tail, dropout or fp32 rows exchange
+    # on 16 warps, unpipelined; an 8K tail, dropout or fp32 rows exchange
     for n, tail in ((18432, 2048), (20480, 4096)):
         for plain in (True, False):
             layout = (32768, 1, tail, 16, False)
             assert config.bwd_launch_layout(n, 2, 1, False, plain, gpu) == layout
+    assert config.bwd_row_stages(32768, 4, False, 1, 1, tail=2048) == 1
     assert config.bwd_launch_layout(24576, 2, 1, False, True, gpu)[-1] is True
-    # ... with 4-byte weights only up to 16384 + 2048
-    assert config.bwd_launch_layout(18432, 2, 1, False, True, gpu, False, True)[:3] == (
-        32768,
-        1,
-        2048,
-    )
-    assert config.bwd_launch_layout(20480, 2, 1, False, True, gpu, False, True)[-1] is True
-    assert config.bwd_launch_layout(10240, 2, 2, False, True, gpu, False, True)[2] == 2048
     assert config.bwd_launch_layout(18432, 2, 1, True, False, gpu)[-1] is True
     assert config.bwd_launch_layout(18432, 4, 1, False, False, gpu)[-1] is True
-    assert config.bwd_row_stages(32768, 4, False, 1, 1, tail=2048) == 1
+    # ... with 4-byte weights (w4) up to 16384 + 2048 only; LayerNorm's rule holds with them
+    w4_layout = config.bwd_launch_layout(18432, 2, 1, False, True, gpu, False, True)
+    assert w4_layout[:3] == (32768, 1, 2048)
+    assert config.bwd_launch_layout(20480, 2, 1, False, True, gpu, False, True)[-1] is True
+    assert config.bwd_launch_layout(10240, 2, 2, False, True, gpu, False, True)[2] == 2048
     assert config.bwd_launch_layout(10240, 4, 2, False, True, gpu)[1] > 1  # fp32 rows
     assert config.bwd_launch_layout(10240, 2, 4, False, False, gpu)[1] > 1  # the x1 path
     # its pipeline's buffers sized by the 10240 columns held: 3 rows of s, dy, dresidual_out
