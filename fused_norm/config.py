@@ -777,14 +777,15 @@ def bwd_launch_layout(
     dropout: bool,
     plain: bool,
     device: torch.device,
-    heavy_w4: bool = False,
     w4: bool = False,
+    x1: bool = False,
 ) -> tuple[int, int, int, int, bool]:
     """bwd_layout on ``device``, and whether its column blocks exchange their row sums: where
     the device allows it (bwd_exchange) and the row's blocks fit (bwd_exchange_fits), else the
-    layout of the row-sums pre-pass. ``w4``: the weights are 4-byte (bwd_block_config).
+    layout of the row-sums pre-pass. ``w4``: the weights are 4-byte (also bwd_block_config);
+    ``x1``: the row has the x1 path.
 
-    ``heavy_w4``: the row has dropout or the x1 path and 4-byte weights. Its 16-bit rows with
+    A row with dropout or the x1 path and 4-byte weights (heavy_w4): its 16-bit rows with
     two or more partials take the pre-pass: each exchanging program reads its block of the
     weights twice per row (for the next row's word and for this row), twice the bytes in
     fp32. Graph replay (H200, bf16 x, fp32 weights, 2026-11-24, bench/NOTES.md #59), two runs,
@@ -792,7 +793,7 @@ def bwd_launch_layout(
     62.6-64.6 / 64.3-64.9 / 63.9-64.1% of copy, the x1 path 32K / 64K 49.4-49.6 / 48.2-49.0
     -> 55.8-55.9 / 55.8-55.9% (12288 even); (with bf16 weights the exchange stays ahead:
     dropout + add + LayerNorm 32K 68.7 vs 65.9%, the x1 path 65.0 vs 56.3%)."""
-    heavy_w4 = heavy_w4 and elem_bytes == 2 and partials >= 2
+    heavy_w4 = (dropout or x1) and w4 and elem_bytes == 2 and partials >= 2
     if bwd_exchange(device) and not heavy_w4:
         layout = bwd_layout(n_cols, elem_bytes, partials, dropout, plain, True, w4)
         if layout[1] > 1 and bwd_exchange_fits(layout[1], partials, device):

@@ -651,9 +651,8 @@ def _bwd_make_plan(
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and not own_dres and not own_dx1 and not dropout
     w4 = _param_bytes(weight, bias, weight1, bias1) == 4
-    heavy_w4 = (dropout or dy1 is not None) and w4
     block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
-        n, elem_bytes, partials, dropout, plain, dev, heavy_w4, w4
+        n, elem_bytes, partials, dropout, plain, dev, w4, dy1 is not None
     )
     c12 = torch.int64 if exchange else (torch.float32 if num_chunks > 1 else None)
     # What the kernel is specialised on of the buffers allocated per call: their dtypes.

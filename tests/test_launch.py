@@ -444,10 +444,10 @@ def test_fp32_weights_launch_rules(monkeypatch):
     monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
     # backward: dropout or x1 with 4-byte weights take the pre-pass; RMSNorm keeps the exchange
     assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu)[-1] is True
-    assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu, True)[-1] is False
-    assert config.bwd_launch_layout(32768, 2, 4, False, False, gpu, True)[-1] is False
-    assert config.bwd_launch_layout(32768, 2, 1, False, False, gpu, True)[-1] is True
-    assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, True)[-1] is True
+    assert config.bwd_launch_layout(32768, 2, 2, True, False, gpu, w4=True)[-1] is False
+    assert config.bwd_launch_layout(32768, 2, 4, False, False, gpu, w4=True, x1=True)[-1] is False
+    assert config.bwd_launch_layout(32768, 2, 1, False, False, gpu, w4=True)[-1] is True
+    assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, w4=True)[-1] is True
 
 
 def test_backward_stages_of_a_plain_rmsnorm_at_2048():
@@ -520,10 +520,10 @@ def test_backward_exchange_layout(monkeypatch):
     assert config.bwd_launch_layout(18432, 2, 1, True, False, gpu)[-1] is True
     assert config.bwd_launch_layout(18432, 4, 1, False, False, gpu)[-1] is True
     # ... with 4-byte weights (w4) up to 16384 + 2048 only; LayerNorm's rule holds with them
-    w4_layout = config.bwd_launch_layout(18432, 2, 1, False, True, gpu, False, True)
+    w4_layout = config.bwd_launch_layout(18432, 2, 1, False, True, gpu, w4=True)
     assert w4_layout[:3] == (32768, 1, 2048)
-    assert config.bwd_launch_layout(20480, 2, 1, False, True, gpu, False, True)[-1] is True
-    assert config.bwd_launch_layout(10240, 2, 2, False, True, gpu, False, True)[2] == 2048
+    assert config.bwd_launch_layout(20480, 2, 1, False, True, gpu, w4=True)[-1] is True
+    assert config.bwd_launch_layout(10240, 2, 2, False, True, gpu, w4=True)[2] == 2048
     assert config.bwd_launch_layout(10240, 4, 2, False, True, gpu)[1] > 1  # fp32 rows
     assert config.bwd_launch_layout(10240, 2, 4, False, False, gpu)[1] > 1  # the x1 path
     # its pipeline's buffers sized by the 10240 columns held: 3 rows of s, dy, dresidual_out
