@@ -880,12 +880,12 @@ def bwd_block_config(
     48.4%). Where the column blocks exchange their row sums (``exchange``) those rows take
     the exchange instead: LayerNorm at 12288, 62.4 -> 63.7% (bench/NOTES.md #48).
 
-    But 16-bit rows with two partials, with or without dropout, whose tail is at most a quarter
-    of the block cap (BWD_HELD_TAIL_DIV; 8K-10K columns: 8192 + 2048 at most) stay one block
-    held as two, in the exchange's place too, pipelined over 3 rows (bwd_row_stages) on one wave
-    of programs (bwd_whole_waves); so do those with one partial and no dropout at 16K-20K
-    columns (16384 + 4096 at most, on 16 warps, unpipelined; with 4-byte weights (``w4``) 16384
-    + 2048 at most). Two partials, graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65),
+    But rows with two partials, with or without dropout, whose tail is at most a quarter of the
+    block cap (BWD_HELD_TAIL_DIV; 8K-10K columns: 8192 + 2048 at most) stay one block held as
+    two, in the exchange's place too, pipelined over the rows their buffers allow (3 of 16-bit
+    rows, 2 or 1 of 4-byte: bwd_row_stages) on one wave of programs (bwd_whole_waves); so do
+    16-bit rows with one partial and no dropout at 16K-20K columns (16384 + 4096 at most, on 16
+    warps, unpipelined; with 4-byte weights (``w4``) 16384 + 2048 at most). Two partials, graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65),
     two runs, exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240
     64.9-65.0 -> 82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a
     4096-column tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%).
@@ -899,13 +899,20 @@ def bwd_block_config(
     plans (16 cells as above, two runs): 18432 ahead in every cell, RMSNorm 67.8-70.7 ->
     87.5-89.5%, add + RMSNorm 72.8-74.1 -> 84.2-87.4%; 20480 with 16-bit weights RMSNorm
     67.4-70.3 -> 72.8-77.7%, add + RMSNorm 72.1-73.6 -> 78.2-84.7%, but with fp32 weights -1.7
-    to +1.8 points (fp16 rows' RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there."""
+    to +1.8 points (fp16 rows' RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there.
+    Rows of 4-byte elements (fp32 rows, bf16 x with an fp32 stream), graph replay, H200,
+    2026-11-25 (bench/NOTES.md #68), two runs, exchange -> held: two partials ahead in every
+    cell, LayerNorm fp32 at 9216 / 10240 77.5-78.1 -> 84.0-88.9% of copy, dropout + add +
+    LayerNorm fp32 66.8-69.2 -> 73.0-75.4%, with an fp32 stream 62.9-66.8 -> 71.2-72.0% (bf16
+    weights) and 48.3-52.4 -> 65.3-66.5% (fp32 weights); one partial lost or was even (add +
+    RMSNorm at 18432 fp32 83.1-84.2 -> 82.1-82.2%, with an fp32 stream 78.9-82.3 -> 75.2-79.6%,
+    at 20480 82.6 -> 72.6%; RMSNorm fp32 81.2-81.9 -> 83.1-83.6%), so it holds 16-bit rows only."""
     cap = BWD_MAX_BLOCK_BYTES if partials <= 1 else BWD_MAX_BLOCK_BYTES_MULTI
     block_n, num_chunks = block_config(n_cols, min(elem_bytes, 2), cap)
     held = BWD_TAIL_BLOCKS_LN if partials == 2 else BWD_TAIL_BLOCKS_ONE
     div = BWD_HELD_TAIL_DIV * (2 if w4 and partials == 1 else 1)
-    if (div and num_chunks == 2 and elem_bytes == 2 and (n_cols - block_n) * div <= block_n
-            and (partials == 2 or (partials == 1 and not dropout))
+    if (div and num_chunks == 2 and (n_cols - block_n) * div <= block_n
+            and (partials == 2 or (partials == 1 and not dropout and elem_bytes == 2))
             and (TAIL_BLOCKS is True or (TAIL_BLOCKS and 2 * block_n in held))):  # fmt: skip
         return 2 * block_n, 1
     if (num_chunks == 2 and partials == 2 and not dropout and elem_bytes == 2 and not exchange

@@ -81,6 +81,9 @@ MATRIX = (
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
     + [("ln", 9216, FP16), ("drop_add_ln_prenorm", 10240, BF16)]
     + [("drop_add_ln_prenorm_w32", 9216, BF16)]
+    # ... and of 4-byte elements: fp32 rows, bf16 x with an fp32 stream (#68)
+    + [("ln", 10240, FP32), ("drop_add_ln_prenorm", 9216, FP32)]
+    + [("drop_add_ln_prenorm_fp32res", 10240, BF16)]
     # ... and one weight gradient's rows at 16K-20K, 16384 + a tail of at most 4096 (#65)
     + [("rms", 18432, BF16), ("add_rms_prenorm", 20480, FP16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of

@@ -8,6 +8,7 @@ on inputs that change the specialisation (misaligned pointers, a single row).
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -503,12 +504,14 @@ def test_backward_exchange_layout(monkeypatch):
     assert config.bwd_layout(12288, 2, 2, False, True)[:3] == (16384, 1, 4096)
     assert config.bwd_launch_layout(12288, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
     # ... but at 8K-10K, with or without dropout, held as 8K + a tail of at most 2K with the
-    # exchange too (bench/NOTES.md #65); 16-bit rows only, 11264 (a 4K tail) exchanges
+    # exchange too (bench/NOTES.md #65), rows of 4-byte elements too (#68); 11264 (a 4K
+    # tail) exchanges
     for n, tail in ((9216, 1024), (10240, 2048)):
-        for dropout in (False, True):
+        for dropout, elem in itertools.product((False, True), (2, 4)):
             layout = (16384, 1, tail, 16, False)
-            assert config.bwd_launch_layout(n, 2, 2, dropout, not dropout, gpu) == layout
+            assert config.bwd_launch_layout(n, elem, 2, dropout, not dropout, gpu) == layout
     assert config.bwd_launch_layout(11264, 2, 2, False, True, gpu) == (2048, 6, 0, 4, True)
+    assert config.bwd_launch_layout(11264, 4, 2, False, True, gpu)[1:] == (6, 0, 4, True)
     # one partial without dropout (RMSNorm, add + RMSNorm) at 16K-20K: 16384 + at most 4096,
     # on 16 warps, unpipelined; an 8K tail, dropout or fp32 rows exchange
     for n, tail in ((18432, 2048), (20480, 4096)):
@@ -524,12 +527,14 @@ def test_backward_exchange_layout(monkeypatch):
     assert w4_layout[:3] == (32768, 1, 2048)
     assert config.bwd_launch_layout(20480, 2, 1, False, True, gpu, w4=True)[-1] is True
     assert config.bwd_launch_layout(10240, 2, 2, False, True, gpu, w4=True)[2] == 2048
-    assert config.bwd_launch_layout(10240, 4, 2, False, True, gpu)[1] > 1  # fp32 rows
     assert config.bwd_launch_layout(10240, 2, 4, False, False, gpu)[1] > 1  # the x1 path
     # its pipeline's buffers sized by the 10240 columns held: 3 rows of s, dy, dresidual_out
     assert config.bwd_row_stages(16384, 6, True, 1, 2, tail=2048) == 3
     assert config.bwd_row_stages(16384, 6, True, 1, 2) == 2
     assert config.bwd_row_stages(8192, 12, True, 1, 2, tail=1024) == 2  # padded below 16K
+    # held rows of 4-byte elements: 2 rows of fp32 s, dy; 1 with dropout's dresidual_out
+    assert config.bwd_row_stages(16384, 8, False, 1, 2, tail=2048) == 2
+    assert config.bwd_row_stages(16384, 12, True, 1, 2, tail=2048) == 1
 
 
 def test_backward_joint_row_sums_rule():
