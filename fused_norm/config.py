@@ -816,11 +816,22 @@ def bwd_joint_row_sums(
     x1 path at 8192 columns 66 -> 95% of copy (its two sums had spilled at 16 warps),
     LayerNorm at 1K / 2K +1.6 / +0.7 points, dropout + LayerNorm even, but the x1 path at 1K
     columns (2 warps, rows pipelined) 86 -> 76% and LayerNorm at 12288 held as two blocks 62.4
-    -> 56.4%: not there (nor, unmeasured, on other rows held as two blocks). Exchanged blocks'
-    words: LayerNorm 12288 61.2 -> 63.7%, 64K 61.8 -> 62.9%, the x1 path 16K 62.4 -> 63.9%,
-    but with dropout 16K 67.6 -> 62.4%: not with dropout."""
-    if not BWD_JOINT_ROW_SUMS or tail:
+    -> 56.4%: not there. Exchanged blocks' words: LayerNorm 12288 61.2 -> 63.7%, 64K 61.8 ->
+    62.9%, the x1 path 16K 62.4 -> 63.9%, but with dropout 16K 67.6 -> 62.4%: not with dropout.
+
+    Rows held as 8192 + a tail of at most 2048 in place of the exchange (bwd_block_config, #65)
+    take one pair of sums per block (two reductions instead of four). Graph replay, H200,
+    2026-11-25 (bench/NOTES.md #69), two runs each, four sums -> two: LayerNorm 9216 / 10240
+    bf16 82.7-84.5 -> 86.1-86.5% of copy, fp16 10240 82.8-83.4 -> 86.6-86.7%, fp32 84.0-88.9
+    -> 85.1-90.3%; dropout + add + LayerNorm bf16 67.7-73.9 -> 70.8-74.6%, fp32 72.5-75.4 ->
+    79.0-81.4%, bf16 x with an fp32 stream 71.1-71.8 -> 78.6-78.7%; with fp32 weights beside
+    bf16 rows LayerNorm even (77.0-77.1 -> 76.9-78.2%), dropout + add + LayerNorm 61.2-61.3 ->
+    60.0% (the one cell behind). Other rows held as two blocks keep four sums (12288 above;
+    5120-6144 unmeasured)."""
+    if not BWD_JOINT_ROW_SUMS:
         return False
+    if tail:
+        return num_chunks == 1 and block_n == 16384 and 4 * tail <= block_n // 2
     if num_chunks > 1:
         return not dropout
     return not (partials >= 4 and block_n == 1024 and stages > 1)

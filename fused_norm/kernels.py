@@ -1175,7 +1175,7 @@ def _fused_norm_bwd_kernel(
                 c1 = tl.load(C12 + 2 * row)
                 if not IS_RMS_NORM:
                     c2 = tl.load(C12 + 2 * row + 1)
-            elif IS_RMS_NORM or not JOINT_ROW_SUMS or TAIL_N > 0:
+            elif IS_RMS_NORM or not JOINT_ROW_SUMS:
                 c1 = tl.sum(xhat * wdy, axis=0)
                 if TAIL_N > 0:
                     c1 += tl.sum(txhat * twdy, axis=0)
@@ -1185,8 +1185,12 @@ def _fused_norm_bwd_kernel(
                     if TAIL_N > 0:
                         c2 += tl.sum(twdy, axis=0)
                     c2 = c2 / N
-            else:  # config.bwd_joint_row_sums: not on rows held as two blocks
+            else:  # config.bwd_joint_row_sums: one pair of sums per block
                 c1, c2 = _pair_sums(xhat * wdy, wdy, 0)
+                if TAIL_N > 0:
+                    tc1, tc2 = _pair_sums(txhat * twdy, twdy, 0)
+                    c1 += tc1
+                    c2 += tc2
                 c1 = c1 / N
                 c2 = c2 / N
             rstd = tl.load(RSTD + row)

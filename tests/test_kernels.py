@@ -131,13 +131,18 @@ def test_fn_matches_reference(case, layout):
 
 
 @settings(max_examples=EXAMPLES_TWO_BLOCKS)
-@given(case=cases("fn", min_n=17).filter(lambda c: c.shape[-1] & (c.shape[-1] - 1)))
-def test_fn_two_blocks_match_reference(case):
+@given(
+    case=cases("fn", min_n=17).filter(lambda c: c.shape[-1] & (c.shape[-1] - 1)),
+    joint=st.booleans(),
+)
+def test_fn_two_blocks_match_reference(case, joint):
     """Widths that are not a power of two held as two blocks (config.block_tail), forced at
     every width where they are narrower than the padded block (on a GPU only measured widths
-    take them, none as narrow as these); test_fn_matches_reference covers the padded block."""
+    take them, none as narrow as these); test_fn_matches_reference covers the padded block.
+    LayerNorm's backward sums c1, c2 per block in one reduction or two (``joint``: on a GPU
+    the rows of 8192 + at most 2048 columns take one, config.bwd_joint_row_sums)."""
     count_example("test_fn_two_blocks_match_reference")
-    with tail_blocks(True):
+    with tail_blocks(True), patched_config(bwd_joint_row_sums=lambda *args: joint):
         check_case(case, "fn")
 
 
