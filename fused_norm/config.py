@@ -826,12 +826,18 @@ def bwd_joint_row_sums(
     -> 85.1-90.3%; dropout + add + LayerNorm bf16 67.7-73.9 -> 70.8-74.6%, fp32 72.5-75.4 ->
     79.0-81.4%, bf16 x with an fp32 stream 71.1-71.8 -> 78.6-78.7%; with fp32 weights beside
     bf16 rows LayerNorm even (77.0-77.1 -> 76.9-78.2%), dropout + add + LayerNorm 61.2-61.3 ->
-    60.0% (the one cell behind). Other rows held as two blocks keep four sums (12288 above;
-    5120-6144 unmeasured)."""
+    60.0% (the one cell behind). So do those held as 4096 + 1024 with dropout (dropout + add +
+    LayerNorm at 5120; same call, two runs): bf16 87.7-87.9 -> 90.7-90.8%, fp32 89.5-89.7 ->
+    91.7%, bf16 x with an fp32 stream 83.2-83.3 -> 90.0-91.7%, with fp32 weights 79.0-79.1 ->
+    88.8-89.0%. Without dropout they keep four: LayerNorm at 5120 even (bf16 90.4-91.0 vs
+    90.0-90.7%, fp16, fp32 and fp32 weights within a point), at 6144 (4096 + 2048) behind (bf16
+    79.9-80.9 -> 79.4-79.5%, fp32 84.6-84.7 -> 76.3-76.4%); the x1 path at 5120 mixed (bf16 94.7
+    -> 92.8-95.6%, fp32 stream 81.0 -> 82.7%); 12288 above."""
     if not BWD_JOINT_ROW_SUMS:
         return False
     if tail:
-        return num_chunks == 1 and block_n == 16384 and 4 * tail <= block_n // 2
+        held = num_chunks == 1 and block_n == 16384 and 4 * tail <= block_n // 2
+        return held or (dropout and partials == 2)
     if num_chunks > 1:
         return not dropout
     return not (partials >= 4 and block_n == 1024 and stages > 1)

@@ -84,6 +84,8 @@ MATRIX = (
     # ... and of 4-byte elements: fp32 rows, bf16 x with an fp32 stream (#68)
     + [("ln", 10240, FP32), ("drop_add_ln_prenorm", 9216, FP32)]
     + [("drop_add_ln_prenorm_fp32res", 10240, BF16)]
+    # ... and one pair of row sums per block, also on 4096 + 1024 with dropout (#69)
+    + [("drop_add_ln_prenorm_fp32res", 5120, BF16)]
     # ... and one weight gradient's rows at 16K-20K, 16384 + a tail of at most 4096 (#65)
     + [("rms", 18432, BF16), ("add_rms_prenorm", 20480, FP16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of

@@ -550,6 +550,9 @@ def test_backward_joint_row_sums_rule():
     assert not config.bwd_joint_row_sums(16384, 1, 4096, 2, 1, False)  # 12288 held
     for tail, dropout in itertools.product((1024, 2048), (False, True)):  # held (#65, #69)
         assert config.bwd_joint_row_sums(16384, 1, tail, 2, 3, dropout)
+    assert config.bwd_joint_row_sums(8192, 1, 1024, 2, 3, True)  # dropout + LayerNorm 5120
+    assert not config.bwd_joint_row_sums(8192, 1, 1024, 2, 3, False)  # LayerNorm 5120
+    assert not config.bwd_joint_row_sums(8192, 1, 1024, 4, 3, False)  # the x1 path 5120
     assert config.bwd_joint_row_sums(2048, 32, 0, 2, 1, False)  # exchanged words
     assert not config.bwd_joint_row_sums(2048, 8, 0, 2, 1, True)  # ... with dropout
 
