@@ -902,21 +902,22 @@ def bwd_block_config(
     two, in the exchange's place too, pipelined over the rows their buffers allow (3 of 16-bit
     rows, 2 or 1 of 4-byte: bwd_row_stages) on one wave of programs (bwd_whole_waves); so do
     16-bit rows with one partial and no dropout at 16K-20K columns (16384 + 4096 at most, on 16
-    warps, unpipelined; with 4-byte weights (``w4``) 16384 + 2048 at most). Two partials, graph replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65),
-    two runs, exchange -> held: LayerNorm at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240
-    64.9-65.0 -> 82.5-84.3%, dropout + add + LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a
-    4096-column tail the held row lost (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%).
-    The rule against the old plans in one call, two runs each, 16 cells (9216 and 10240 columns,
-    bf16 and fp16 rows, bf16 and fp32 weights): every cell ahead in both runs, LayerNorm
-    60.0-66.2 -> 72.1-84.5%, dropout + add + LayerNorm (with fp32 weights the pre-pass before)
-    51.8-67.1 -> 61.3-73.4%. One partial, graph replay, two runs (#65): RMSNorm at 18432 68.0 ->
-    89.6-89.7%, 20480 67.1-67.2 -> 73.0-73.1% (24576, an 8K tail, lost: 67.6-67.9 ->
-    56.2-57.0%), add + RMSNorm 73.1-73.3 -> 87.7-87.9% and 72.5-72.6 -> 78.5% (24576: 73.2-73.5
-    -> 45.2-45.5%); on 32 warps 56.7-86.2%, pipelined over 2 rows 40.5-56.8%. Against the old
-    plans (16 cells as above, two runs): 18432 ahead in every cell, RMSNorm 67.8-70.7 ->
-    87.5-89.5%, add + RMSNorm 72.8-74.1 -> 84.2-87.4%; 20480 with 16-bit weights RMSNorm
-    67.4-70.3 -> 72.8-77.7%, add + RMSNorm 72.1-73.6 -> 78.2-84.7%, but with fp32 weights -1.7
-    to +1.8 points (fp16 rows' RMSNorm 69.8-70.0 -> 68.3-68.8%), hence the narrower tail there.
+    warps, unpipelined; with 4-byte weights (``w4``) 16384 + 2048 at most). Two partials, graph
+    replay, H200, bf16, 2026-11-25 (bench/NOTES.md #65), two runs, exchange -> held: LayerNorm
+    at 9216 60.5-60.7 -> 82.4-83.1% of copy, at 10240 64.9-65.0 -> 82.5-84.3%, dropout + add +
+    LayerNorm at 10240 66.1-66.3 -> 73.7-73.8%; with a 4096-column tail the held row lost
+    (11264: 61.8 -> 57.9%, 12288: 65.1-65.2 -> 59.0-59.4%). The rule against the old plans in
+    one call, two runs each, 16 cells (9216 and 10240 columns, bf16 and fp16 rows, bf16 and fp32
+    weights): every cell ahead in both runs, LayerNorm 60.0-66.2 -> 72.1-84.5%, dropout + add +
+    LayerNorm (with fp32 weights the pre-pass before) 51.8-67.1 -> 61.3-73.4%. One partial,
+    graph replay, two runs (#65): RMSNorm at 18432 68.0 -> 89.6-89.7%, 20480 67.1-67.2 ->
+    73.0-73.1% (24576, an 8K tail, lost: 67.6-67.9 -> 56.2-57.0%), add + RMSNorm 73.1-73.3 ->
+    87.7-87.9% and 72.5-72.6 -> 78.5% (24576: 73.2-73.5 -> 45.2-45.5%); on 32 warps 56.7-86.2%,
+    pipelined over 2 rows 40.5-56.8%. Against the old plans (16 cells as above, two runs): 18432
+    ahead in every cell, RMSNorm 67.8-70.7 -> 87.5-89.5%, add + RMSNorm 72.8-74.1 -> 84.2-87.4%;
+    20480 with 16-bit weights RMSNorm 67.4-70.3 -> 72.8-77.7%, add + RMSNorm 72.1-73.6 ->
+    78.2-84.7%, but with fp32 weights -1.7 to +1.8 points (fp16 rows' RMSNorm 69.8-70.0 ->
+    68.3-68.8%), hence the narrower tail there.
     Rows of 4-byte elements (fp32 rows, bf16 x with an fp32 stream), graph replay, H200,
     2026-11-25 (bench/NOTES.md #68), two runs, exchange -> held: two partials ahead in every
     cell, LayerNorm fp32 at 9216 / 10240 77.5-78.1 -> 84.0-88.9% of copy, dropout + add +

@@ -140,7 +140,8 @@ def test_fn_two_blocks_match_reference(case, joint):
     every width where they are narrower than the padded block (on a GPU only measured widths
     take them, none as narrow as these); test_fn_matches_reference covers the padded block.
     LayerNorm's backward sums c1, c2 per block in one reduction or two (``joint``: on a GPU
-    the rows of 8192 + at most 2048 columns take one, config.bwd_joint_row_sums)."""
+    the rows of 8192 + at most 2048 columns and, with dropout, 4096 + 1024 take one,
+    config.bwd_joint_row_sums)."""
     count_example("test_fn_two_blocks_match_reference")
     with tail_blocks(True), patched_config(bwd_joint_row_sums=lambda *args: joint):
         check_case(case, "fn")
