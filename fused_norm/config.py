@@ -836,8 +836,7 @@ def bwd_joint_row_sums(
     if not BWD_JOINT_ROW_SUMS:
         return False
     if tail:
-        held = num_chunks == 1 and block_n == 16384 and 4 * tail <= block_n // 2
-        return held or (dropout and partials == 2)
+        return bwd_held_row(block_n, tail) or (dropout and partials == 2)
     if num_chunks > 1:
         return not dropout
     return not (partials >= 4 and block_n == 1024 and stages > 1)
@@ -870,6 +869,13 @@ def bwd_exchange(device: torch.device) -> bool:
 # A backward row just wider than its block cap is held as that block + a tail of at most
 # 1 / BWD_HELD_TAIL_DIV of it in place of column blocks (bwd_block_config; 0: never).
 BWD_HELD_TAIL_DIV = 4
+
+
+def bwd_held_row(block_n: int, tail: int) -> bool:
+    """Whether a one-block row of a padded 16384 held as 8192 + ``tail`` is one that
+    bwd_block_config holds in the exchange's place (a tail of at most 1 / BWD_HELD_TAIL_DIV of
+    the block cap), as opposed to LayerNorm's 12288 = 8192 + 4096 without the exchange."""
+    return bool(BWD_HELD_TAIL_DIV) and block_n == 16384 and 0 < tail * BWD_HELD_TAIL_DIV <= 8192
 
 
 def bwd_block_config(
@@ -997,7 +1003,7 @@ def bwd_whole_waves(
         return True
     if plain and partials == 1 and block_n == 4096 and not tail:
         return True
-    return tail > 0 and block_n == 16384 and partials == 2 and 4 * tail > block_n // 2
+    return tail > 0 and block_n == 16384 and partials == 2 and not bwd_held_row(block_n, tail)
 
 
 def bwd_num_programs(
