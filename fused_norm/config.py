@@ -801,6 +801,70 @@ def bwd_launch_layout(
     return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain, w4=w4), False)
 
 
+# The backward of a norm of x alone with two partials (LayerNorm with a bias), 16-bit rows and
+# weights, of BWD_SMEM_MIN_COLS-16384 columns: one program per SM holding the whole row, its
+# partial dW in shared memory (smem_kernels, Gluon), in place of column blocks that exchange
+# their row sums (bwd_launch_layout). Graph replay, H200, 2026-11-25 (bench/NOTES.md #70).
+# ``FUSED_NORM_BWD_SMEM=0`` turns it off.
+BWD_SMEM_PARTIALS = os.environ.get("FUSED_NORM_BWD_SMEM", "1") != "0"
+BWD_SMEM_MIN_COLS = 10241
+BWD_SMEM_MAX_COLS = 16384
+BWD_SMEM_WARPS = 16
+BWD_SMEM_MAX_STAGES = 2
+# Shared memory a block may take on Hopper (227 KB), less what the kernel's reductions use.
+BWD_SMEM_BYTES = 227 * 1024 - 2048
+
+
+def bwd_smem_width(n_cols: int) -> bool:
+    """Whether rows of ``n_cols`` columns are of a width bwd_smem_partials may choose (the
+    launcher then also asks whether the row tensors are 16-byte aligned)."""
+    return BWD_SMEM_MIN_COLS <= n_cols <= BWD_SMEM_MAX_COLS and n_cols % 16 == 0
+
+
+def bwd_smem_partials(
+    n_cols: int, elem_bytes: int, partials: int, plain: bool, device: torch.device, w4: bool,
+    aligned: bool,
+) -> bool:  # fmt: skip
+    """Whether the backward runs smem_kernels' kernel: a norm of x alone (``plain``) with two
+    partials, 16-bit rows (``elem_bytes``) and weights (not ``w4``), bwd_smem_width's widths,
+    the rows' tensors 16-byte aligned with row strides of multiples of 16 elements
+    (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of compute capability 9 or more
+    whose blocks may take the kernel's shared memory. The kernel is Gluon's: never under the
+    interpreter."""
+    if not (BWD_SMEM_PARTIALS and plain and partials == 2 and elem_bytes == 2 and not w4):
+        return False
+    if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
+        return False
+    from . import smem_kernels
+
+    return smem_kernels.AVAILABLE and _smem_ok(device.index)
+
+
+def bwd_smem_layout(n_cols: int) -> tuple[int, int, int]:
+    """(block_n, tail, stages) of smem_kernels' kernel: a power-of-two row is one block;
+    another is held as 8192 columns and a power-of-two tail, ``block_n`` then being the padded
+    16384 (kernels.py's convention: ``block_n // 2`` then ``tail``); rows of s and dy staged
+    ``stages`` deep, as many as fit beside the fp32 partial dW up to BWD_SMEM_MAX_STAGES (2:
+    3 stages at 12288 columns measured 0.1-0.5 points behind 2, bench/NOTES.md #70)."""
+    block_n, tail = next_power_of_2(n_cols), 0
+    if block_n > 8192 and block_n != n_cols and next_power_of_2(n_cols - 8192) < 8192:
+        tail = next_power_of_2(n_cols - 8192)
+    held = block_n // 2 + tail if tail else block_n
+    stages = min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - 4 * held) // (2 * 2 * held))
+    return block_n, tail, stages
+
+
+@functools.cache
+def _smem_ok(index) -> bool:
+    """Compute capability 9+ and blocks that may take the kernel's shared memory at its widest
+    row: 2 stages of 16-bit s and dy and the fp32 partial dW of 16384 columns (196 KB)."""
+    props = torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    )
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    return props.major >= 9 and optin >= BWD_SMEM_MAX_COLS * (4 + 2 * 2 * 2) + 2048
+
+
 # The backward of LayerNorm sums c1 = sum(xhat * wdy) and c2 = sum(wdy) of a row (or, where
 # column blocks exchange row sums, of its block) in one reduction (kernels._pair_sums: one
 # exchange between warps instead of two) where that measured faster (bwd_joint_row_sums).

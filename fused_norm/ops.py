@@ -31,6 +31,7 @@ from .kernels import (
     _sum_partials_kernel,
 )
 from .launch import Launcher, Stand
+from .smem_kernels import AVAILABLE as _SMEM_AVAILABLE
 
 Tensor = torch.Tensor
 
@@ -38,11 +39,17 @@ _FWD = Launcher(_fused_norm_fwd_kernel)
 _BWD = Launcher(_fused_norm_bwd_kernel)
 _SUMS = Launcher(_bwd_row_sums_kernel)
 _RED = Launcher(_sum_partials_kernel)
+if _SMEM_AVAILABLE:
+    from .smem_kernels import _bwd_smem_kernel
+
+    _SMEM = Launcher(_bwd_smem_kernel)
+else:
+    _SMEM = None
 
 
 def launchers() -> tuple:
     """The launchers of every kernel ops launches (read when called: a sweep may replace one)."""
-    return _FWD, _BWD, _SUMS, _RED
+    return tuple(lau for lau in (_FWD, _BWD, _SUMS, _RED, _SMEM) if lau is not None)
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -367,14 +374,20 @@ def _bwd_launch(
     c12: Optional[Tensor], g0: Tensor, g1: Optional[Tensor], g2: Optional[Tensor],
     g3: Optional[Tensor], g4: Optional[Tensor], has_bias: bool, has_b1: bool, dropout_p: float,
     is_rms_norm: bool, zero_centered_weight: bool, block_n: int, num_chunks: int, tail: int,
-    warps: int, max_programs: int,
+    smem: bool, warps: int, max_programs: int,
 ) -> None:  # fmt: skip
     """The backward launches (the body of the ``fused_norm::bwd`` custom op)."""
     _bwd_run(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
         dx, dx1, dresidual, parts, c12, g0, g1, g2, g3, g4, has_bias, has_b1, dropout_p,
-        is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, max_programs,
+        is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, smem, warps, max_programs,
     )  # fmt: skip
+
+
+def _aligned16(t) -> bool:
+    """Whether a 2-D tensor's address is 16-byte aligned and its row stride a multiple of 16
+    elements (what Triton specialises a kernel on: config.bwd_smem_partials)."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
 def _exchanges(c12) -> bool:
@@ -499,12 +512,30 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
 def _bwd_kernel_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
-    partials, warps, max_programs,
+    smem, partials, warps, max_programs,
 ):  # fmt: skip
     """What _bwd_run launches with, beyond its arguments: ``(flags, stage_key, maxnreg)`` of
-    the backward kernel (_bwd_plan), the row-sums pre-pass's constexprs (None where the row
-    is one block or its blocks exchange their sums) and the partials' sum's (for the row
-    blocks of an unbounded row count, ``max_programs``). Tensors may be Stand-ins."""
+    the backward kernel (_bwd_plan; with ``smem`` the constexprs of smem_kernels' kernel and
+    two Nones), the row-sums pre-pass's constexprs (None where the row is one block or its
+    blocks exchange their sums) and the partials' sum's (for the row blocks of an unbounded
+    row count, ``max_programs``). Tensors may be Stand-ins."""
+    red_block, red_rows, red_stages = config.partials_sum_layout(
+        s.shape[-1], partials, max_programs, dev
+    )
+    red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
+    if smem:
+        flags = dict(
+            BLOCK_N=block_n // 2 if tail else block_n,
+            TAIL_N=tail,
+            IS_RMS_NORM=is_rms_norm,
+            HAS_BIAS=has_bias,
+            ZERO_CENTERED_WEIGHT=zero_centered_weight,
+            STAGES=config.bwd_smem_layout(s.shape[-1])[2],
+            VEC=16 // s.element_size(),
+            TAIL_VEC=max(tail // (32 * warps), 1),
+            NUM_WARPS=warps,
+        )
+        return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
@@ -523,24 +554,23 @@ def _bwd_kernel_plan(
             HAS_W1=weight1 is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
         )
-    red_block, red_rows, red_stages = config.partials_sum_layout(n, partials, max_programs, dev)
-    red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
     return flags, stage_key, maxnreg, sums, red
 
 
 def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
     dx, dx1, dresidual, parts, c12, g0, g1, g2, g3, g4, has_bias, has_b1, dropout_p,
-    is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, warps, max_programs, warm=False,
-    kplan=None,
+    is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, smem, warps, max_programs,
+    warm=False, kplan=None,
 ):  # fmt: skip
     """Launch the backward and the sum of its partials into the gradients ``g0``.. (one per
     partial, None beyond), or with ``warm`` only start compiling its kernels (outputs may then
     be :class:`~fused_norm.launch.Stand`-ins). ``parts`` is the ``(partials, programs, N)`` fp32
     buffer of the partial parameter gradients (dw, then db, dw1, db1, dls where present).
     ``block_n`` is the padded block, held as two (``block_n // 2`` then ``tail`` columns) where
-    ``tail`` > 0; fused_norm_bwd chose them. ``kplan``: _bwd_kernel_plan's answer where the
-    caller has it."""
+    ``tail`` > 0; fused_norm_bwd chose them, and ``smem``: smem_kernels' kernel instead of
+    kernels.py's (one-block rows). ``kplan``: _bwd_kernel_plan's answer where the caller has
+    it."""
     m, n = s.shape
     if m == 0:
         return
@@ -548,7 +578,7 @@ def _bwd_run(
     dev = s.device
     if kplan is None:  # the custom op's body (torch.compile): plans kept by its arguments
         key = (
-            dev, n, block_n, num_chunks, tail, warps, max_programs, partials, has_bias, has_b1,
+            dev, n, block_n, num_chunks, tail, smem, warps, max_programs, partials, has_bias, has_b1,
             dropout_p > 0.0, is_rms_norm, zero_centered_weight,
             *(None if t is None else t.dtype
               for t in (s, weight1, mean, dy, dy1, dresidual_out, x0, layerscale, rowscale,
@@ -559,9 +589,23 @@ def _bwd_run(
             kplan = _OP_KPLANS[key] = _bwd_kernel_plan(
                 dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1,
                 dresidual, c12, has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight,
-                block_n, num_chunks, tail, partials, warps, max_programs,
+                block_n, num_chunks, tail, smem, partials, warps, max_programs,
             )  # fmt: skip
     flags, stage_key, maxnreg, sums, red = kplan
+    red_grid = (config.cdiv(n, red["BLOCK_N"]), partials)
+    red_args = (parts, g0, g1, g2, g3, g4, programs, n)
+    if smem:
+        args = (
+            s, weight, mean, rstd, dy, dx, parts, s.stride(0), dy.stride(0), dx.stride(0),
+            programs * n, m, n, config.cdiv(m, programs),
+        )  # fmt: skip
+        if warm:
+            _SMEM.warm((programs,), dev, args, flags, warps)
+            _RED.warm(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+            return
+        _SMEM((programs,), dev, args, flags, warps)
+        _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        return
     if sums is not None:
         (_SUMS.warm if warm else _SUMS)(
             (m,), dev,
@@ -574,8 +618,6 @@ def _bwd_run(
         seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
-    red_grid = (config.cdiv(n, red["BLOCK_N"]), partials)
-    red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if warm:
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
         _RED.warm(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
@@ -621,7 +663,8 @@ class _BwdPlan(NamedTuple):
     own_dresidual: bool  # dresidual in a buffer of its own (else it is dx)
     own_dx1: bool  # likewise dx1
     partials: int  # parameter gradients accumulated (slabs of the partials' buffer)
-    layout: tuple  # (block_n, num_chunks, tail, warps) of config.bwd_launch_layout
+    layout: tuple  # (block_n, num_chunks, tail, smem, warps): config.bwd_launch_layout's, or
+    # smem_kernels' (smem: config.bwd_smem_partials)
     c12: Optional[torch.dtype]  # int64 words of exchanged row sums, fp32 pre-pass sums, or None
     max_programs: int  # row blocks of the grid for a row count without bound
     kplan: tuple  # _bwd_kernel_plan's answer
@@ -635,11 +678,12 @@ config.DERIVED_CACHES.extend((_FWD_PLANS, _BWD_PLANS, _OP_KPLANS, _RESIDENT))
 def _bwd_make_plan(
     dev, n, s, dy, dy1, dresidual_out, x0, weight, bias, weight1, bias1, layerscale, rowscale,
     seeds, mean, rstd, dropout_p, is_rms_norm, zero_centered_weight, x_dtype, residual_dtype,
-    x1_dtype, ask_resident,
+    x1_dtype, ask_resident, aligned,
 ):  # fmt: skip
     """The _BwdPlan of fused_norm_bwd's arguments; without ``ask_resident`` (a warm-up, whose
     kernel serves any grid, or no rows) it does not compile the kernel to ask how many of its
-    programs fit on the device at once."""
+    programs fit on the device at once. ``aligned``: s and dy are 16-byte aligned with row
+    strides of multiples of 16 elements (config.bwd_smem_partials)."""
     # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
     dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
     own_dres = residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype)
@@ -651,9 +695,14 @@ def _bwd_make_plan(
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and not own_dres and not own_dx1 and not dropout
     w4 = _param_bytes(weight, bias, weight1, bias1) == 4
-    block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
-        n, elem_bytes, partials, dropout, plain, dev, w4, dy1 is not None
-    )
+    smem = config.bwd_smem_partials(n, elem_bytes, partials, plain, dev, w4, aligned)
+    if smem:  # one program per SM (its shared memory), the row held whole
+        block_n, tail, _ = config.bwd_smem_layout(n)
+        num_chunks, warps, exchange = 1, config.BWD_SMEM_WARPS, False
+    else:
+        block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
+            n, elem_bytes, partials, dropout, plain, dev, w4, dy1 is not None
+        )
     c12 = torch.int64 if exchange else (torch.float32 if num_chunks > 1 else None)
     # What the kernel is specialised on of the buffers allocated per call: their dtypes.
     dx, dresidual, dx1 = (
@@ -661,8 +710,8 @@ def _bwd_make_plan(
         for d in (x_dtype, residual_dtype if own_dres else None, x1_dtype if own_dx1 else None)
     )
     c12_stand = Stand(c12, (1, 2)) if c12 is not None else None
-    resident = 0
-    if (ask_resident and dev.type == "cuda" and config.BWD_RESIDENT_GRID
+    resident = 1 if smem else 0
+    if (ask_resident and dev.type == "cuda" and config.BWD_RESIDENT_GRID and not smem
             and not config.bwd_whole_waves(block_n, num_chunks, tail, partials, dropout, plain)):  # fmt: skip
         # The persistent grid holds only programs that run at once (bwd_num_programs). A
         # warm-up (from the forward) does not wait for this compile: its kernel serves any grid.
@@ -676,9 +725,9 @@ def _bwd_make_plan(
     kplan = _bwd_kernel_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
         c12_stand, bias is not None, bias1 is not None, dropout_p, is_rms_norm,
-        zero_centered_weight, block_n, num_chunks, tail, partials, warps, max_programs,
+        zero_centered_weight, block_n, num_chunks, tail, smem, partials, warps, max_programs,
     )  # fmt: skip
-    layout = (block_n, num_chunks, tail, warps)
+    layout = (block_n, num_chunks, tail, smem, warps)
     return _BwdPlan(own_dres, own_dx1, partials, layout, c12, max_programs, kplan)
 
 
@@ -706,6 +755,9 @@ def fused_norm_bwd(
     x_dtype = x_dtype or s.dtype
     compiling = torch.compiler.is_compiling()
     cached = not (warm or compiling or m == 0)
+    # smem_kernels' 16-byte copies need aligned rows; under torch.compile (fake tensors have
+    # no addresses) the kernels.py kernel serves. (Stand-ins of a warm-up count as aligned.)
+    aligned = not compiling and config.bwd_smem_width(n) and _aligned16(s) and _aligned16(dy)
     plan = None
     if cached:
         # Everything the plan depends on: the dtypes (None where absent) and the flags.
@@ -718,18 +770,18 @@ def fused_norm_bwd(
             None if bias1 is None else bias1.dtype,
             None if layerscale is None else layerscale.dtype,
             None if rowscale is None else rowscale.dtype, seeds is not None, mean is not None,
-            dropout_p > 0.0, is_rms_norm, zero_centered_weight,
+            dropout_p > 0.0, is_rms_norm, zero_centered_weight, aligned,
         )  # fmt: skip
         plan = _BWD_PLANS.get(key)
     if plan is None:
         plan = _bwd_make_plan(
             dev, n, s, dy, dy1, dresidual_out, x0, weight, bias, weight1, bias1, layerscale,
             rowscale, seeds, mean, rstd, dropout_p, is_rms_norm, zero_centered_weight, x_dtype,
-            residual_dtype, x1_dtype, not warm and m > 0,
+            residual_dtype, x1_dtype, not warm and m > 0, aligned,
         )  # fmt: skip
         if cached:
             _BWD_PLANS[key] = plan
-    block_n, num_chunks, tail, warps = plan.layout
+    block_n, num_chunks, tail, smem, warps = plan.layout
 
     def empty(shape, dtype):
         return Stand(dtype, shape) if warm else torch.empty(shape, dtype=dtype, device=dev)
@@ -760,7 +812,7 @@ def fused_norm_bwd(
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
             seeds, dx, dx1, dresidual, parts, c12, *g, bias is not None, bias1 is not None,
             float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), block_n,
-            num_chunks, tail, warps, plan.max_programs,
+            num_chunks, tail, smem, warps, plan.max_programs,
         )  # fmt: skip
         if warm:
             _bwd_run(*args, warm=True, kplan=plan.kplan)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _helpers import Case, assert_bitwise_equal, call_fused, check_case, make_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.gpu
 
@@ -343,3 +345,76 @@ def test_gpu_widen_is_exact_for_every_16_bit_pattern(dtype, route):
     from test_kernels import test_widen_is_exact_for_every_16_bit_pattern as check
 
     check(dtype, route, "cuda")
+
+
+def _smem_plans() -> list:
+    """Whether each backward plan made since the caches were emptied runs smem_kernels'
+    kernel (ops._BwdPlan.layout's ``smem``)."""
+    from fused_norm import ops
+
+    return [plan.layout[3] for plan in ops._BWD_PLANS.values()]
+
+
+def _fresh_plans():
+    from fused_norm import config
+
+    config.settings_changed()  # empties ops' plan caches
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([10256, 11264, 12288, 14336, 16000, 16384]),
+    dtype=st.sampled_from([BF16, FP16]),
+    is_rms_norm=st.booleans(),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 401]),
+)
+def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centered_weight, rows):
+    """The backward that keeps partial dW in shared memory (smem_kernels, chosen by
+    config.bwd_smem_partials for a norm of x alone with a weight and a bias, 16-bit, 10K-16K
+    columns): every gradient against the fp64 reference, one row to several per program, the
+    row held as one block (14336-16384, padded past N) or 8192 + a tail (10256-12288). The
+    test fails if the plan did not take that kernel."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
+                zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    check_case(case, "fn", device="cuda")
+    assert _smem_plans() == [True]
+
+
+def test_gpu_smem_backward_misaligned_rows_take_triton():
+    """Rows whose address is not 16-byte aligned (a view one element in) cannot take the
+    kernel's 16-byte copies: the plan falls back to kernels.py's backward, still correct;
+    the aligned rows of the same shape take smem_kernels'. Gradients bitwise reproducible."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    import fused_norm
+
+    n, rows = 12288, 37
+    torch.manual_seed(0)
+    buf = torch.randn(rows * n + 1, device="cuda", dtype=BF16)
+    w = torch.randn(n, device="cuda", dtype=BF16, requires_grad=True)
+    b = torch.randn(n, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(rows, n, device="cuda", dtype=BF16)
+    grads = {}
+    for name, flat in (("aligned", buf[:-1]), ("misaligned", buf[1:])):
+        _fresh_plans()
+        x = flat.view(rows, n).detach().requires_grad_()
+        runs = []
+        for _ in range(2):
+            y = fused_norm.layer_norm_fn(x, w, b)
+            runs.append(torch.autograd.grad(y, (x, w, b), dy))
+        assert _smem_plans() == [name == "aligned"]
+        for a, c in zip(*runs):
+            assert torch.equal(a, c), name
+        grads[name] = runs[0]
+    # Against the fp64 reference through the shared check for each layout.
+    ref_x = buf[1:].view(rows, n).double().requires_grad_()
+    ref_w, ref_b = (t.detach().double().requires_grad_() for t in (w, b))
+    y = torch.nn.functional.layer_norm(ref_x, (n,), ref_w, ref_b, eps=1e-6)
+    want = torch.autograd.grad(y, (ref_x, ref_w, ref_b), dy.double())
+    for got, ref in zip(grads["misaligned"], want):
+        err = (got.double() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-2, err

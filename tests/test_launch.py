@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fused_norm
-from fused_norm import launch, ops
+from fused_norm import config, launch, ops
 
 try:
     from triton._C.libtriton import native_specialize_impl
@@ -692,3 +692,63 @@ def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
                 torch.testing.assert_close(t, u, rtol=0, atol=0)
     config.settings_changed()
     assert not ops._OP_KPLANS
+
+
+def test_bwd_smem_rule_and_layout(monkeypatch):
+    """config.bwd_smem_partials: only a norm of x alone with two partials, 16-bit rows and
+    weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits the
+    kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole and
+    another as 8192 + a power-of-two tail, staged as deep as shared memory allows."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(config, "_smem_ok", lambda index: True)
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    from fused_norm import smem_kernels
+
+    if not smem_kernels.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    ok = dict(
+        n_cols=12288, elem_bytes=2, partials=2, plain=True, device=gpu, w4=False, aligned=True
+    )
+    assert config.bwd_smem_partials(**ok)
+    for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
+                   dict(elem_bytes=4), dict(partials=1), dict(partials=4), dict(plain=False),
+                   dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu"))):  # fmt: skip
+        assert not config.bwd_smem_partials(**{**ok, **change}), change
+    monkeypatch.setattr(config, "INTERPRETED", True)
+    assert not config.bwd_smem_partials(**ok)
+    assert config.bwd_smem_layout(16384) == (16384, 0, 2)
+    assert config.bwd_smem_layout(12288) == (16384, 4096, 2)
+    assert config.bwd_smem_layout(10256) == (16384, 4096, 2)
+    assert config.bwd_smem_layout(14336) == (16384, 0, 2)  # a tail of 8192: the padded block
+    for n in range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16):
+        block, tail, stages = config.bwd_smem_layout(n)
+        held = block // 2 + tail if tail else block
+        assert held >= n and stages >= 2
+        assert held * (4 + 2 * 2 * stages) <= config.BWD_SMEM_BYTES
+
+
+def test_smem_kernel_compiles_for_sm90():
+    """The Gluon kernel compiles for an H100/H200 (sm_90) with this Triton, offline
+    (scripts/compile_smem.py, in a process without the interpreter: there is no Gluon under
+    it, so this is what CI can check of the kernel), for LayerNorm with a bias at both layouts
+    (a whole 16384 row; 8192 + a 4096 tail), within the shared memory a Hopper block may take."""
+    import os
+    import re
+    import subprocess
+
+    from fused_norm import smem_kernels
+
+    if not smem_kernels.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "compile_smem.py"), "12288", "16384"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    for n in (12288, 16384):
+        block, tail, stages = config.bwd_smem_layout(n)
+        shared = int(re.search(rf"n={n} .* shared=(\d+)", out.stdout).group(1))
+        held = block // 2 + tail if tail else block
+        assert held * (4 + 2 * 2 * stages) <= shared <= 227 * 1024, out.stdout

@@ -1,0 +1,63 @@
+"""Compile smem_kernels' backward kernel for an H100/H200 (sm_90) on a machine without a GPU
+(Triton's compiler and the ptxas in its wheel need none), as the launcher would for LayerNorm
+with a bias of 16-bit rows, and print its registers, spills and shared memory per width:
+
+    python scripts/compile_smem.py 12288 16384
+
+Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
+are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from fused_norm import config, smem_kernels  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+
+def compile_width(n: int, dtype: str = "bf16"):
+    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n``."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block, tail, stages = config.bwd_smem_layout(n)
+    warps = config.BWD_SMEM_WARPS
+    names = ("S W MEAN RSTD DY DX PARTS stride_s_row stride_dy_row stride_dx_row stride_part "
+             "M N rows_per_program").split()  # fmt: skip
+    types = [f"*{dtype}", f"*{dtype}", "*fp32", "*fp32", f"*{dtype}", f"*{dtype}", "*fp32"]
+    sig = dict(zip(names, types + ["i32"] * 7))
+    constexprs = dict(BLOCK_N=block // 2 if tail else block, TAIL_N=tail, IS_RMS_NORM=False,
+                      HAS_BIAS=True, ZERO_CENTERED_WEIGHT=False, STAGES=stages, VEC=8,
+                      TAIL_VEC=max(tail // (32 * warps), 1), NUM_WARPS=warps)  # fmt: skip
+    sig.update({k: "constexpr" for k in constexprs})
+    # As Triton's JIT specialises them: 16-byte aligned pointers, strides and N % 16 == 0.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(11), 12)}
+    src = GluonASTSource(fn=smem_kernels._bwd_smem_kernel, signature=sig, attrs=attrs,
+                         constexprs=constexprs)  # fmt: skip
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True).stdout  # fmt: skip
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    return regs, stack, compiled.metadata.shared
+
+
+if __name__ == "__main__":
+    if not smem_kernels.AVAILABLE:
+        sys.exit("this Triton has no Gluon")
+    for arg in sys.argv[1:] or ["12288", "16384"]:
+        regs, stack, shared = compile_width(int(arg))
+        print(f"n={arg} layout={config.bwd_smem_layout(int(arg))} regs={regs} stack={stack} "
+              f"shared={shared}")  # fmt: skip
