@@ -524,16 +524,8 @@ def _bwd_kernel_plan(
     )
     red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
     if smem:
-        flags = dict(
-            BLOCK_N=block_n // 2 if tail else block_n,
-            TAIL_N=tail,
-            IS_RMS_NORM=is_rms_norm,
-            HAS_BIAS=has_bias,
-            ZERO_CENTERED_WEIGHT=zero_centered_weight,
-            STAGES=config.bwd_smem_layout(s.shape[-1])[2],
-            VEC=16 // s.element_size(),
-            TAIL_VEC=max(tail // (32 * warps), 1),
-            NUM_WARPS=warps,
+        flags = smem_flags(
+            s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight
         )
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -555,6 +547,25 @@ def _bwd_kernel_plan(
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
         )
     return flags, stage_key, maxnreg, sums, red
+
+
+def smem_flags(n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight) -> dict:
+    """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
+    elements (config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
+    compiles what this gives)."""
+    block_n, tail, stages = config.bwd_smem_layout(n)
+    warps = config.BWD_SMEM_WARPS
+    return dict(
+        BLOCK_N=block_n // 2 if tail else block_n,
+        TAIL_N=tail,
+        IS_RMS_NORM=is_rms_norm,
+        HAS_BIAS=has_bias,
+        ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        STAGES=stages,
+        VEC=16 // elem_bytes,
+        TAIL_VEC=max(tail // (32 * warps), 1),
+        NUM_WARPS=warps,
+    )
 
 
 def _bwd_run(

@@ -89,6 +89,30 @@ if AVAILABLE:
         return w
 
     @gluon.jit
+    def _part_setup(S, DY, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
+                    STAGES: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+        """One part's columns (``col0`` on), its staging buffers of s and dy, its zeroed
+        partial dW in shared memory, its zeroed partial dB and its weight (fp32)."""
+        shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        cols = col0 + gl.arange(0, PART_N, layout=layout)
+        s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
+        dy_buf = gl.allocate_shared_memory(DY.dtype.element_ty, [STAGES, PART_N], shared)
+        dw_acc = gl.allocate_shared_memory(
+            gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
+        )
+        db = gl.zeros([PART_N], gl.float32, layout)
+        return cols, s_buf, dy_buf, dw_acc, db, _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+
+    @gluon.jit
+    def _store_part_partials(part, slab, cols, N, dw_acc, db, layout: gl.constexpr,
+                             HAS_BIAS: gl.constexpr):  # fmt: skip
+        """One part's partial dW (from shared memory) and dB into the program's rows of
+        their slabs (``part``: the program's row of the first; ``slab``: elements apart)."""
+        gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
+        if HAS_BIAS:
+            gl.store(part + slab + cols, db, mask=cols < N)
+
+    @gluon.jit
     def _bwd_smem_kernel(
         S,       # (M, N) the normalised pre-norm sum (x itself: rows of a norm of x alone)
         W,       # (N,) weight (16-bit)
@@ -114,27 +138,16 @@ if AVAILABLE:
         # the same columns, so the partials in shared memory are private to a thread.
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         tail_layout: gl.constexpr = gl.BlockedLayout([TAIL_VEC], [32], [NUM_WARPS], [0])
-        shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
         row_start = pid.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
-        cols = gl.arange(0, BLOCK_N, layout=layout)
-        s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, BLOCK_N], shared)
-        dy_buf = gl.allocate_shared_memory(DY.dtype.element_ty, [STAGES, BLOCK_N], shared)
-        dw_acc = gl.allocate_shared_memory(
-            gl.float32, [BLOCK_N], shared, gl.zeros([BLOCK_N], gl.float32, layout)
+        cols, s_buf, dy_buf, dw_acc, db, wf = _part_setup(
+            S, DY, W, 0, BLOCK_N, layout, N, STAGES, ZERO_CENTERED_WEIGHT
         )
-        db = gl.zeros([BLOCK_N], gl.float32, layout)
-        wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
         if TAIL_N > 0:
-            tcols = BLOCK_N + gl.arange(0, TAIL_N, layout=tail_layout)
-            ts_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, TAIL_N], shared)
-            tdy_buf = gl.allocate_shared_memory(DY.dtype.element_ty, [STAGES, TAIL_N], shared)
-            tdw_acc = gl.allocate_shared_memory(
-                gl.float32, [TAIL_N], shared, gl.zeros([TAIL_N], gl.float32, tail_layout)
+            tcols, ts_buf, tdy_buf, tdw_acc, tdb, twf = _part_setup(
+                S, DY, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, ZERO_CENTERED_WEIGHT
             )
-            tdb = gl.zeros([TAIL_N], gl.float32, tail_layout)
-            twf = _weight(W, tcols, N, ZERO_CENTERED_WEIGHT)
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf = cols, s_buf, dy_buf
         for k in gl.static_range(STAGES - 1):
@@ -188,10 +201,6 @@ if AVAILABLE:
         _async_copy.wait_group(0)
         part = PARTS + pid.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)
-        gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
-        if HAS_BIAS:
-            gl.store(part + slab + cols, db, mask=cols < N)
+        _store_part_partials(part, slab, cols, N, dw_acc, db, layout, HAS_BIAS)
         if TAIL_N > 0:
-            gl.store(part + tcols, tdw_acc.load(tail_layout), mask=tcols < N)
-            if HAS_BIAS:
-                gl.store(part + slab + tcols, tdb, mask=tcols < N)
+            _store_part_partials(part, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS)

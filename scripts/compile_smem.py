@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from fused_norm import config, smem_kernels  # noqa: E402
+from fused_norm import config, ops, smem_kernels  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 
@@ -29,15 +29,12 @@ def compile_width(n: int, dtype: str = "bf16"):
     """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n``."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block, tail, stages = config.bwd_smem_layout(n)
-    warps = config.BWD_SMEM_WARPS
+    constexprs = ops.smem_flags(n, 2, False, True, False)  # what the launcher passes
+    warps = constexprs["NUM_WARPS"]
     names = ("S W MEAN RSTD DY DX PARTS stride_s_row stride_dy_row stride_dx_row stride_part "
              "M N rows_per_program").split()  # fmt: skip
     types = [f"*{dtype}", f"*{dtype}", "*fp32", "*fp32", f"*{dtype}", f"*{dtype}", "*fp32"]
     sig = dict(zip(names, types + ["i32"] * 7))
-    constexprs = dict(BLOCK_N=block // 2 if tail else block, TAIL_N=tail, IS_RMS_NORM=False,
-                      HAS_BIAS=True, ZERO_CENTERED_WEIGHT=False, STAGES=stages, VEC=8,
-                      TAIL_VEC=max(tail // (32 * warps), 1), NUM_WARPS=warps)  # fmt: skip
     sig.update({k: "constexpr" for k in constexprs})
     # As Triton's JIT specialises them: 16-byte aligned pointers, strides and N % 16 == 0.
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(11), 12)}
