@@ -801,12 +801,16 @@ def bwd_launch_layout(
     return (*bwd_layout(n_cols, elem_bytes, partials, dropout, plain, w4=w4), False)
 
 
-# The backward of a norm of x alone with two partials (LayerNorm with a bias), 16-bit rows and
+# The backward of LayerNorm-type rows with a weight and a bias (two partials), 16-bit rows and
 # weights, of BWD_SMEM_MIN_COLS-16384 columns: one program per SM holding the whole row, its
 # partial dW in shared memory (smem_kernels, Gluon), in place of column blocks that exchange
-# their row sums (bwd_launch_layout). Graph replay, H200, 2026-11-25 (bench/NOTES.md #70).
-# ``FUSED_NORM_BWD_SMEM=0`` turns it off.
+# their row sums (bwd_launch_layout). A norm of x alone since 2026-11-25 (bench/NOTES.md #70);
+# with a residual gradient in and out and x's dropout (dropout + add + LayerNorm, prenorm) up
+# to BWD_SMEM_RESIDUAL_MAX_COLS, where BWD_SMEM_RESIDUAL (#71: 66 -> 85% of copy at 12288; at
+# 16384 no layout that fits beat the exchange's 68%). ``FUSED_NORM_BWD_SMEM=0`` turns it off.
 BWD_SMEM_PARTIALS = os.environ.get("FUSED_NORM_BWD_SMEM", "1") != "0"
+BWD_SMEM_RESIDUAL = True
+BWD_SMEM_RESIDUAL_MAX_COLS = 12288
 BWD_SMEM_MIN_COLS = 10241
 BWD_SMEM_MAX_COLS = 16384
 BWD_SMEM_WARPS = 16
@@ -822,16 +826,23 @@ def bwd_smem_width(n_cols: int) -> bool:
 
 
 def bwd_smem_partials(
-    n_cols: int, elem_bytes: int, partials: int, plain: bool, device: torch.device, w4: bool,
-    aligned: bool,
+    n_cols: int, elem_bytes: int, partials: int, kind: str | None, device: torch.device,
+    w4: bool, aligned: bool,
 ) -> bool:  # fmt: skip
-    """Whether the backward runs smem_kernels' kernel: a norm of x alone (``plain``) with two
-    partials, 16-bit rows (``elem_bytes``) and weights (not ``w4``), bwd_smem_width's widths,
+    """Whether the backward runs smem_kernels' kernel. ``kind`` is what the kernel must do
+    beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
+    x's dropout: taken where BWD_SMEM_RESIDUAL, up to BWD_SMEM_RESIDUAL_MAX_COLS) or None
+    (anything the kernel does not do: x1's gradient or second output, rowscale, layerscale).
+    Further: two partials (the weight's and
+    the bias's), 16-bit rows (``elem_bytes``) and weights (not ``w4``), bwd_smem_width's widths,
     the rows' tensors 16-byte aligned with row strides of multiples of 16 elements
     (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of compute capability 9 or more
-    whose blocks may take the kernel's shared memory. The kernel is Gluon's: never under the
+    whose blocks may take Hopper's shared memory. The kernel is Gluon's: never under the
     interpreter."""
-    if not (BWD_SMEM_PARTIALS and plain and partials == 2 and elem_bytes == 2 and not w4):
+    residual = BWD_SMEM_RESIDUAL and n_cols <= BWD_SMEM_RESIDUAL_MAX_COLS
+    if not (kind == "plain" or (kind == "residual" and residual)):
+        return False
+    if not (BWD_SMEM_PARTIALS and partials == 2 and elem_bytes == 2 and not w4):
         return False
     if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
         return False
@@ -840,29 +851,30 @@ def bwd_smem_partials(
     return smem_kernels.AVAILABLE and _smem_ok(device.index)
 
 
-def bwd_smem_layout(n_cols: int) -> tuple[int, int, int]:
+def bwd_smem_layout(n_cols: int, dres_out: bool = False) -> tuple[int, int, int]:
     """(block_n, tail, stages) of smem_kernels' kernel: a power-of-two row is one block;
     another is held as 8192 columns and a power-of-two tail, ``block_n`` then being the padded
-    16384 (kernels.py's convention: ``block_n // 2`` then ``tail``); rows of s and dy staged
-    ``stages`` deep, as many as fit beside the fp32 partial dW up to BWD_SMEM_MAX_STAGES (2:
-    3 stages at 12288 columns measured 0.1-0.5 points behind 2, bench/NOTES.md #70)."""
+    16384 (kernels.py's convention: ``block_n // 2`` then ``tail``); rows of s and dy (and with
+    ``dres_out`` of dresidual_out) staged ``stages`` deep, as many as fit beside the fp32
+    partial dW up to BWD_SMEM_MAX_STAGES (2: 3 stages at 12288 columns measured 0.1-0.5 points
+    behind 2, bench/NOTES.md #70)."""
     block_n, tail = next_power_of_2(n_cols), 0
     if block_n > 8192 and block_n != n_cols and next_power_of_2(n_cols - 8192) < 8192:
         tail = next_power_of_2(n_cols - 8192)
     held = block_n // 2 + tail if tail else block_n
-    stages = min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - 4 * held) // (2 * 2 * held))
-    return block_n, tail, stages
+    staged = 2 * held * (3 if dres_out else 2)
+    return block_n, tail, min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - 4 * held) // staged)
 
 
 @functools.cache
 def _smem_ok(index) -> bool:
-    """Compute capability 9+ and blocks that may take the kernel's shared memory at its widest
-    row: 2 stages of 16-bit s and dy and the fp32 partial dW of 16384 columns (196 KB)."""
+    """Compute capability 9+ and blocks that may take the kernel's shared memory: Hopper's
+    227 KB (BWD_SMEM_BYTES and what the kernel's reductions use)."""
     props = torch.cuda.get_device_properties(
         index if index is not None else torch.cuda.current_device()
     )
     optin = getattr(props, "shared_memory_per_block_optin", 0)
-    return props.major >= 9 and optin >= BWD_SMEM_MAX_COLS * (4 + 2 * 2 * 2) + 2048
+    return props.major >= 9 and optin >= BWD_SMEM_BYTES + 2048
 
 
 # The backward of LayerNorm sums c1 = sum(xhat * wdy) and c2 = sum(wdy) of a row (or, where

@@ -92,13 +92,27 @@ def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr, ROWS: tl
     octet = col0 // 8 + tl.arange(0, BLOCK_N // 8)
     if ROWS > 0:
         octet = octet[None, :]
+        bits = tl.reshape(_octet_bits(seed, octet), (ROWS, BLOCK_N))
+    else:
+        bits = tl.reshape(_octet_bits(seed, octet), (BLOCK_N,))
+    return _keeps(bits, dropout_p)
+
+
+@triton.jit
+def _octet_bits(seed, octet):
+    """The 16 random bits of each column of the octets ``octet`` (columns ``8 * octet`` to
+    ``8 * octet + 7``) of a row with seed ``seed`` (uint32), shaped ``octet.shape + (2, 2, 2)``:
+    reshaped to ``(..., 8 * octet.shape[-1])`` they are in column order. Shared with
+    smem_kernels (Gluon calls it on tensors with layouts), so both draw the same mask."""
     r0, r1, r2, r3 = tl.randint4x(seed, octet)
     lo = tl.join(tl.join(r0 & 0xFFFF, r1 & 0xFFFF), tl.join(r2 & 0xFFFF, r3 & 0xFFFF))
     hi = tl.join(tl.join(r0 >> 16, r1 >> 16), tl.join(r2 >> 16, r3 >> 16))
-    if ROWS > 0:
-        bits = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_N))
-    else:
-        bits = tl.reshape(tl.join(lo, hi), (BLOCK_N,))
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _keeps(bits, dropout_p):
+    """Keep-decisions from _octet_bits' bits: kept unless the bits fall below p * 2**16."""
     bits = bits.to(tl.float32)  # exact: < 2**16
     # For integer bits, bits + 0.5 > p * 2**16  <=>  bits >= round(p * 2**16) (halves up).
     return bits + 0.5 > dropout_p * 65536.0

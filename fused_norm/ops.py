@@ -525,8 +525,9 @@ def _bwd_kernel_plan(
     red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
     if smem:
         flags = smem_flags(
-            s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight
-        )
+            s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
+            dresidual_out is not None, dresidual is not None, dropout_p > 0.0,
+        )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
@@ -549,17 +550,24 @@ def _bwd_kernel_plan(
     return flags, stage_key, maxnreg, sums, red
 
 
-def smem_flags(n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight) -> dict:
+def smem_flags(
+    n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
+    store_dres=False, dropout=False,
+) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
     elements (config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
-    compiles what this gives)."""
-    block_n, tail, stages = config.bwd_smem_layout(n)
+    compiles what this gives): with ``has_dres_out`` a gradient of the residual stream comes
+    in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped."""
+    block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out)
     warps = config.BWD_SMEM_WARPS
     return dict(
         BLOCK_N=block_n // 2 if tail else block_n,
         TAIL_N=tail,
         IS_RMS_NORM=is_rms_norm,
         HAS_BIAS=has_bias,
+        HAS_DRESIDUAL_OUT=has_dres_out,
+        STORE_DRESIDUAL=store_dres,
+        HAS_DROPOUT=dropout,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
         STAGES=stages,
         VEC=16 // elem_bytes,
@@ -607,8 +615,9 @@ def _bwd_run(
     red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if smem:
         args = (
-            s, weight, mean, rstd, dy, dx, parts, s.stride(0), dy.stride(0), dx.stride(0),
-            programs * n, m, n, config.cdiv(m, programs),
+            s, weight, mean, rstd, dy, dresidual_out, seeds, dx, dresidual, parts, s.stride(0),
+            dy.stride(0), _stride0(dresidual_out), dx.stride(0), _stride0(dresidual),
+            programs * n, m, n, config.cdiv(m, programs), dropout_p,
         )  # fmt: skip
         if warm:
             _SMEM.warm((programs,), dev, args, flags, warps)
@@ -694,7 +703,7 @@ def _bwd_make_plan(
     """The _BwdPlan of fused_norm_bwd's arguments; without ``ask_resident`` (a warm-up, whose
     kernel serves any grid, or no rows) it does not compile the kernel to ask how many of its
     programs fit on the device at once. ``aligned``: s and dy are 16-byte aligned with row
-    strides of multiples of 16 elements (config.bwd_smem_partials)."""
+    strides of multiples of 16 elements, and so is dresidual_out (config.bwd_smem_partials)."""
     # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
     dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
     own_dres = residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype)
@@ -706,9 +715,13 @@ def _bwd_make_plan(
     # A norm of x alone, as the kernel sees it: no residual gradient in or out, no x1, no dropout.
     plain = dresidual_out is None and not own_dres and not own_dx1 and not dropout
     w4 = _param_bytes(weight, bias, weight1, bias1) == 4
-    smem = config.bwd_smem_partials(n, elem_bytes, partials, plain, dev, w4, aligned)
+    # What smem_kernels' kernel would have to do beyond the norm (config.bwd_smem_partials).
+    kind = None
+    if not own_dx1 and dy1 is None and rowscale is None and layerscale is None:
+        kind = "plain" if plain else "residual"
+    smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned)
     if smem:  # one program per SM (its shared memory), the row held whole
-        block_n, tail, _ = config.bwd_smem_layout(n)
+        block_n, tail, _ = config.bwd_smem_layout(n, dresidual_out is not None)
         num_chunks, warps, exchange = 1, config.BWD_SMEM_WARPS, False
     else:
         block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
@@ -768,7 +781,10 @@ def fused_norm_bwd(
     cached = not (warm or compiling or m == 0)
     # smem_kernels' 16-byte copies need aligned rows; under torch.compile (fake tensors have
     # no addresses) the kernels.py kernel serves. (Stand-ins of a warm-up count as aligned.)
-    aligned = not compiling and config.bwd_smem_width(n) and _aligned16(s) and _aligned16(dy)
+    aligned = (
+        not compiling and config.bwd_smem_width(n) and _aligned16(s) and _aligned16(dy)
+        and (dresidual_out is None or _aligned16(dresidual_out))
+    )  # fmt: skip
     plan = None
     if cached:
         # Everything the plan depends on: the dtypes (None where absent) and the flags.

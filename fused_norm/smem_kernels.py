@@ -13,6 +13,13 @@ dB and the weight in registers, and stages its rows through shared memory with `
 reads it again for dx and adds the row's terms to the partials. Partials are written as the
 Triton kernel writes them (one (programs, N) fp32 slab per gradient), for the same sum kernel.
 
+With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
+dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in, staged
+with s and dy and added in pass 2; with dropout dx is ds through x's keep-mask, regenerated
+from the row's seed by the same Philox draws as kernels.py's (its _octet_bits and _keeps,
+called from here). What the kernel does not do (x1, rowscale, layerscale) stays with
+kernels.py (config.bwd_smem_partials).
+
 Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
 ``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
 resolved here. There is no Gluon under the CPU interpreter: config.bwd_smem_partials only
@@ -39,21 +46,28 @@ if AVAILABLE:
     AVAILABLE = _barrier is not None and _async_load is not None
 
 if AVAILABLE:
+    from .kernels import _keeps, _octet_bits
 
     @gluon.jit
-    def _stage_row(S, DY, s_buf, dy_buf, ts_buf, tdy_buf, slot, row, row_end, cols, tcols, N,
-                   stride_s_row, stride_dy_row, TAIL_N: gl.constexpr):  # fmt: skip
-        """Start copying ``row``'s s and dy (block, then tail) into buffer ``slot`` (zeros past
-        N or past the program's last row), as one commit group."""
+    def _stage(PTR, buf, tbuf, slot, r, live, cols, tcols, N, stride_row, TAIL_N: gl.constexpr):
+        """Start copying row ``r`` of one tensor (block, then tail) into buffer ``slot``."""
+        _async_load(buf.index(slot), PTR + r * stride_row + cols, mask=(cols < N) & live)
+        if TAIL_N > 0:
+            _async_load(tbuf.index(slot), PTR + r * stride_row + tcols, mask=(tcols < N) & live)
+
+    @gluon.jit
+    def _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, slot, row,
+                   row_end, cols, tcols, N, stride_s_row, stride_dy_row, stride_dres_out_row,
+                   TAIL_N: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr):  # fmt: skip
+        """Start copying ``row``'s s and dy (and its dresidual_out, if any) into
+        buffer ``slot`` (zeros past N or past the program's last row), as one commit group."""
         r = row.to(gl.int64)
         live = row < row_end
-        _async_load(s_buf.index(slot), S + r * stride_s_row + cols, mask=(cols < N) & live)
-        _async_load(dy_buf.index(slot), DY + r * stride_dy_row + cols, mask=(cols < N) & live)
-        if TAIL_N > 0:
-            _async_load(ts_buf.index(slot), S + r * stride_s_row + tcols,
-                        mask=(tcols < N) & live)  # fmt: skip
-            _async_load(tdy_buf.index(slot), DY + r * stride_dy_row + tcols,
-                        mask=(tcols < N) & live)  # fmt: skip
+        _stage(S, s_buf, ts_buf, slot, r, live, cols, tcols, N, stride_s_row, TAIL_N)
+        _stage(DY, dy_buf, tdy_buf, slot, r, live, cols, tcols, N, stride_dy_row, TAIL_N)
+        if HAS_DRESIDUAL_OUT:
+            _stage(DRES_OUT, r_buf, tr_buf, slot, r, live, cols, tcols, N, stride_dres_out_row,
+                   TAIL_N)  # fmt: skip
         _async_copy.commit_group()
 
     @gluon.jit
@@ -65,16 +79,44 @@ if AVAILABLE:
         return (s - mean) * rstd, dy, wf * dy
 
     @gluon.jit
-    def _part_grads(s_buf, dy_buf, slot, layout: gl.constexpr, wf, mean, rstd, c1, c2, DX, dx_row,
-                    cols, N, dw_acc, db, IS_RMS_NORM: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-        """Store one part's dx and add its terms to the partials (dW in shared memory, private
-        to each thread by the layout; dB in registers); returns dB."""
+    def _keep(SEEDS, row, col0, dropout_p, PART_N: gl.constexpr, VEC: gl.constexpr,
+              NUM_WARPS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """The dropout keep-decisions of one part of x's row ``row`` (columns ``col0`` on), as
+        kernels._keep_mask draws them (its _octet_bits and _keeps), in ``layout``. A thread's
+        VEC contiguous columns are whole octets, so its Philox calls serve its own columns."""
+        gl.static_assert(VEC % 8 == 0, "a thread's columns must be whole octets")
+        octets: gl.constexpr = gl.BlockedLayout([VEC // 8], [32], [NUM_WARPS], [0])
+        seed = gl.load(SEEDS + row).to(gl.uint32)
+        octet = col0 // 8 + gl.arange(0, PART_N // 8, layout=octets)
+        bits = gl.convert_layout(gl.reshape(_octet_bits(seed, octet), [PART_N]), layout)
+        return _keeps(bits, dropout_p)
+
+    @gluon.jit
+    def _part_grads(s_buf, dy_buf, r_buf, slot, layout: gl.constexpr, wf, mean, rstd,
+                    c1, c2, DX, DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row,
+                    stride_dres_row, dw_acc, db, PART_N: gl.constexpr, VEC: gl.constexpr,
+                    NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    HAS_DRESIDUAL_OUT: gl.constexpr, STORE_DRESIDUAL: gl.constexpr,
+                    HAS_DROPOUT: gl.constexpr):  # fmt: skip
+        """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
+        sum, and dx: ds through dropout) and add its terms to the partials (dW in shared
+        memory, private to each thread by the layout; dB in registers); returns dB."""
         xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd)
         if IS_RMS_NORM:
-            dx = (wdy - xhat * c1) * rstd
+            ds = (wdy - xhat * c1) * rstd
         else:
-            dx = (wdy - (xhat * c1 + c2)) * rstd
-        gl.store(DX + dx_row + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
+            ds = (wdy - (xhat * c1 + c2)) * rstd
+        if HAS_DRESIDUAL_OUT:
+            ds += r_buf.index(slot).load(layout).to(gl.float32)
+        r = row.to(gl.int64)
+        if STORE_DRESIDUAL:
+            gl.store(DRES + r * stride_dres_row + cols, ds.to(DRES.dtype.element_ty),
+                     mask=cols < N)  # fmt: skip
+        dx = ds
+        if HAS_DROPOUT:
+            keep = _keep(SEEDS, row, col0, dropout_p, PART_N, VEC, NUM_WARPS, layout)
+            dx = gl.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
+        gl.store(DX + r * stride_dx_row + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
         dw_acc.store(dw_acc.load(layout) + dy * xhat)
         if HAS_BIAS:
             db += dy
@@ -89,19 +131,25 @@ if AVAILABLE:
         return w
 
     @gluon.jit
-    def _part_setup(S, DY, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
-                    STAGES: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
-        """One part's columns (``col0`` on), its staging buffers of s and dy, its zeroed
+    def _part_setup(S, DY, DRES_OUT, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
+                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
+                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+        """One part's columns (``col0`` on), its staging buffers of s, dy and (with
+        HAS_DRESIDUAL_OUT; else s's buffer stands in, never read) dresidual_out, its zeroed
         partial dW in shared memory, its zeroed partial dB and its weight (fp32)."""
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         cols = col0 + gl.arange(0, PART_N, layout=layout)
         s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
         dy_buf = gl.allocate_shared_memory(DY.dtype.element_ty, [STAGES, PART_N], shared)
+        r_buf = s_buf
+        if HAS_DRESIDUAL_OUT:
+            r_buf = gl.allocate_shared_memory(DRES_OUT.dtype.element_ty, [STAGES, PART_N], shared)
         dw_acc = gl.allocate_shared_memory(
             gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
         )
         db = gl.zeros([PART_N], gl.float32, layout)
-        return cols, s_buf, dy_buf, dw_acc, db, _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+        wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+        return cols, s_buf, dy_buf, r_buf, dw_acc, db, wf
 
     @gluon.jit
     def _store_part_partials(part, slab, cols, N, dw_acc, db, layout: gl.constexpr,
@@ -114,20 +162,28 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_smem_kernel(
-        S,       # (M, N) the normalised pre-norm sum (x itself: rows of a norm of x alone)
-        W,       # (N,) weight (16-bit)
-        MEAN,    # (M,) fp32 (if not IS_RMS_NORM)
-        RSTD,    # (M,) fp32
-        DY,      # (M, N) grad of y
-        DX,      # (M, N) grad of x
-        PARTS,   # fp32 partial dW, then dB (if HAS_BIAS): one (P, N) slab each, stride_part apart
-        stride_s_row, stride_dy_row, stride_dx_row, stride_part,
+        S,         # (M, N) the normalised pre-norm sum
+        W,         # (N,) weight (16-bit)
+        MEAN,      # (M,) fp32 (if not IS_RMS_NORM)
+        RSTD,      # (M,) fp32
+        DY,        # (M, N) grad of y
+        DRES_OUT,  # (M, N) grad of the pre-norm residual stream (if HAS_DRESIDUAL_OUT)
+        SEEDS,     # (M,) int64 dropout seeds of x's rows (if HAS_DROPOUT)
+        DX,        # (M, N) grad of x
+        DRES,      # (M, N) grad of the residual (if STORE_DRESIDUAL)
+        PARTS,     # fp32 partial dW, then dB (if HAS_BIAS): one (P, N) slab each, stride_part apart
+        stride_s_row, stride_dy_row, stride_dres_out_row, stride_dx_row, stride_dres_row,
+        stride_part,
         M, N,
         rows_per_program,
+        dropout_p,
         BLOCK_N: gl.constexpr,       # columns of the first part (a power of two)
         TAIL_N: gl.constexpr,        # columns of a second part after BLOCK_N (0: none)
         IS_RMS_NORM: gl.constexpr,
         HAS_BIAS: gl.constexpr,
+        HAS_DRESIDUAL_OUT: gl.constexpr,
+        STORE_DRESIDUAL: gl.constexpr,
+        HAS_DROPOUT: gl.constexpr,
         ZERO_CENTERED_WEIGHT: gl.constexpr,
         STAGES: gl.constexpr,        # rows staged in shared memory (>= 2)
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
@@ -141,18 +197,21 @@ if AVAILABLE:
         pid = gl.program_id(0)
         row_start = pid.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
-        cols, s_buf, dy_buf, dw_acc, db, wf = _part_setup(
-            S, DY, W, 0, BLOCK_N, layout, N, STAGES, ZERO_CENTERED_WEIGHT
-        )
+        cols, s_buf, dy_buf, r_buf, dw_acc, db, wf = _part_setup(
+            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT,
+            ZERO_CENTERED_WEIGHT,
+        )  # fmt: skip
         if TAIL_N > 0:
-            tcols, ts_buf, tdy_buf, tdw_acc, tdb, twf = _part_setup(
-                S, DY, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, ZERO_CENTERED_WEIGHT
-            )
+            tcols, ts_buf, tdy_buf, tr_buf, tdw_acc, tdb, twf = _part_setup(
+                S, DY, DRES_OUT, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, HAS_DRESIDUAL_OUT,
+                ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
         else:  # placeholders, never read
-            tcols, ts_buf, tdy_buf = cols, s_buf, dy_buf
+            tcols, ts_buf, tdy_buf, tr_buf = cols, s_buf, dy_buf, r_buf
         for k in gl.static_range(STAGES - 1):
-            _stage_row(S, DY, s_buf, dy_buf, ts_buf, tdy_buf, k, row_start + k, row_end, cols,
-                       tcols, N, stride_s_row, stride_dy_row, TAIL_N)  # fmt: skip
+            _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, k,
+                       row_start + k, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
+                       stride_dres_out_row, TAIL_N, HAS_DRESIDUAL_OUT)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
         rstd = gl.load(RSTD + row_start, mask=row_start < M, other=0.0)
         mean = 0.0
@@ -160,9 +219,10 @@ if AVAILABLE:
             mean = gl.load(MEAN + row_start, mask=row_start < M, other=0.0)
         for row in range(row_start, row_end):
             i = (row - row_start).to(gl.int32)
-            _stage_row(S, DY, s_buf, dy_buf, ts_buf, tdy_buf, (i + STAGES - 1) % STAGES,
-                       row + STAGES - 1, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
-                       TAIL_N)  # fmt: skip
+            _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                       (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
+                       stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
+                       HAS_DRESIDUAL_OUT)  # fmt: skip
             # The next row's statistics, one row ahead (the last row reads its own again).
             nxt = gl.minimum(row + 1, last)
             rstd_next = gl.load(RSTD + nxt)
@@ -189,12 +249,16 @@ if AVAILABLE:
             # the sums (the barrier keeps the two reads apart): registers, not bandwidth,
             # limit a program of 16384 columns.
             _barrier()
-            dx_row = row.to(gl.int64) * stride_dx_row
-            db = _part_grads(s_buf, dy_buf, slot, layout, wf, mean, rstd, c1, c2, DX, dx_row,
-                             cols, N, dw_acc, db, IS_RMS_NORM, HAS_BIAS)  # fmt: skip
+            db = _part_grads(s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2,
+                             DX, DRES, SEEDS, row, 0, dropout_p, cols, N, stride_dx_row,
+                             stride_dres_row, dw_acc, db, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM,
+                             HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT)  # fmt: skip
             if TAIL_N > 0:
-                tdb = _part_grads(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd, c1, c2,
-                                  DX, dx_row, tcols, N, tdw_acc, tdb, IS_RMS_NORM, HAS_BIAS)  # fmt: skip
+                tdb = _part_grads(ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean,
+                                  rstd, c1, c2, DX, DRES, SEEDS, row, BLOCK_N, dropout_p, tcols,
+                                  N, stride_dx_row, stride_dres_row, tdw_acc, tdb, TAIL_N,
+                                  TAIL_VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
+                                  STORE_DRESIDUAL, HAS_DROPOUT)  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next
             mean = mean_next

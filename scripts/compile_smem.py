@@ -1,8 +1,12 @@
 """Compile smem_kernels' backward kernel for an H100/H200 (sm_90) on a machine without a GPU
 (Triton's compiler and the ptxas in its wheel need none), as the launcher would for LayerNorm
-with a bias of 16-bit rows, and print its registers, spills and shared memory per width:
+with a bias of 16-bit rows, and print its registers, spills and shared memory per width, for
+a norm of x alone and for dropout + add + LayerNorm with prenorm (a residual gradient in and
+out, x's dropout):
 
     python scripts/compile_smem.py 12288 16384
+
+(dropout + add + LayerNorm only up to config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is chosen.)
 
 Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
 are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.
@@ -25,21 +29,33 @@ from fused_norm import config, ops, smem_kernels  # noqa: E402
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 
 
-def compile_width(n: int, dtype: str = "bf16"):
-    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n``."""
+def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
+    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n``, for a
+    norm of x alone or (``residual``) dropout + add + LayerNorm with prenorm."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constexprs = ops.smem_flags(n, 2, False, True, False)  # what the launcher passes
+    # What the launcher passes.
+    constexprs = ops.smem_flags(n, 2, False, True, False, residual, residual, residual)
     warps = constexprs["NUM_WARPS"]
-    names = ("S W MEAN RSTD DY DX PARTS stride_s_row stride_dy_row stride_dx_row stride_part "
-             "M N rows_per_program").split()  # fmt: skip
-    types = [f"*{dtype}", f"*{dtype}", "*fp32", "*fp32", f"*{dtype}", f"*{dtype}", "*fp32"]
-    sig = dict(zip(names, types + ["i32"] * 7))
+    names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS stride_s_row stride_dy_row "
+             "stride_dres_out_row stride_dx_row stride_dres_row stride_part M N "
+             "rows_per_program dropout_p").split()  # fmt: skip
+    row = f"*{dtype}" if residual else "constexpr"  # absent tensors are None (constexprs)
+    types = [f"*{dtype}", f"*{dtype}", "*fp32", "*fp32", f"*{dtype}", row,
+             "*i64" if residual else "constexpr", f"*{dtype}", row, "*fp32"]  # fmt: skip
+    sig = dict(zip(names, types + ["i32"] * 9 + ["fp32"]))
     sig.update({k: "constexpr" for k in constexprs})
+    given = dict(constexprs)
+    if not residual:
+        given.update(DRES_OUT=None, SEEDS=None, DRES=None)
+        sig.update(stride_dres_out_row="constexpr", stride_dres_row="constexpr")
+        given.update(stride_dres_out_row=0, stride_dres_row=0)
     # As Triton's JIT specialises them: 16-byte aligned pointers, strides and N % 16 == 0.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(11), 12)}
+    aligned = [i for i, name in enumerate(names) if sig[name] not in ("constexpr", "fp32")
+               and name not in ("M", "rows_per_program")]  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(fn=smem_kernels._bwd_smem_kernel, signature=sig, attrs=attrs,
-                         constexprs=constexprs)  # fmt: skip
+                         constexprs=given)  # fmt: skip
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -55,6 +71,8 @@ if __name__ == "__main__":
     if not smem_kernels.AVAILABLE:
         sys.exit("this Triton has no Gluon")
     for arg in sys.argv[1:] or ["12288", "16384"]:
-        regs, stack, shared = compile_width(int(arg))
-        print(f"n={arg} layout={config.bwd_smem_layout(int(arg))} regs={regs} stack={stack} "
-              f"shared={shared}")  # fmt: skip
+        for residual in (False, True)[: 2 if int(arg) <= config.BWD_SMEM_RESIDUAL_MAX_COLS else 1]:
+            regs, stack, shared = compile_width(int(arg), residual=residual)
+            print(f"n={arg} residual={residual} "
+                  f"layout={config.bwd_smem_layout(int(arg), residual)} regs={regs} "
+                  f"stack={stack} shared={shared}")  # fmt: skip

@@ -384,6 +384,60 @@ def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centere
     assert _smem_plans() == [True]
 
 
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([10256, 11264, 12288, 14336, 16000, 16384]),
+    dtype=st.sampled_from([BF16, FP16]),
+    is_rms_norm=st.booleans(),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 401]),
+    dropout_p=st.sampled_from([0.0, 0.1, 0.37]),
+    prenorm=st.booleans(),
+)
+def test_gpu_smem_backward_residual_dropout_matches_reference(
+    n, dtype, is_rms_norm, zero_centered_weight, rows, dropout_p, prenorm
+):
+    """smem_kernels' kernel with a residual (its gradient out; in, with prenorm) and x's
+    dropout (the mask regenerated from the seeds as kernels._keep_mask draws it): every
+    gradient against the fp64 reference, which applies the mask the forward returned. The test
+    fails if the plan did not take that kernel."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, is_rms_norm=is_rms_norm,
+                zero_centered_weight=zero_centered_weight, dropout_p=dropout_p,
+                prenorm=prenorm, seed=n + rows)  # fmt: skip
+    check_case(case, "fn", device="cuda")
+    assert _smem_plans() == [True]
+
+
+SMEM_LACKS = {
+    "rowscale": Case(shape=(37, 12288), dtype=BF16, rowscale=True, seed=3),
+    "rowscale_dropout": Case(shape=(37, 16384), dtype=BF16, residual_dtype=BF16, rowscale=True,
+                             dropout_p=0.1, prenorm=True, seed=4),
+    "layerscale": Case(shape=(37, 12288), dtype=BF16, has_bias=False, layerscale=True, seed=5),
+    "x1_dropout": Case(shape=(37, 12288), dtype=BF16, residual_dtype=BF16, has_x1=True,
+                       dropout_p=0.1, prenorm=True, seed=6),
+    "x1_w1": Case(shape=(37, 16384), dtype=FP16, has_x1=True, has_w1=True, has_bias=False,
+                  seed=7),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SMEM_LACKS))
+def test_gpu_smem_backward_leaves_what_it_lacks(name):
+    """Calls of the kernel's widths and dtypes with what smem_kernels' kernel does not do
+    (rowscale, layerscale, x1's gradient and second output) take kernels.py's backward, and
+    match the fp64 reference. Before config.bwd_smem_partials asked for them, rowscale and
+    layerscale took the Gluon kernel, which ignored them (dx without the row's scale; no
+    dlayerscale)."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    case = SMEM_LACKS[name]
+    check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
+    assert _smem_plans() == [False]
+
+
 def test_gpu_smem_backward_misaligned_rows_take_triton():
     """Rows whose address is not 16-byte aligned (a view one element in) cannot take the
     kernel's 16-byte copies: the plan falls back to kernels.py's backward, still correct;

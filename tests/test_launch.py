@@ -695,10 +695,12 @@ def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
 
 
 def test_bwd_smem_rule_and_layout(monkeypatch):
-    """config.bwd_smem_partials: only a norm of x alone with two partials, 16-bit rows and
-    weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits the
-    kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole and
-    another as 8192 + a power-of-two tail, staged as deep as shared memory allows."""
+    """config.bwd_smem_partials: only LayerNorm-type rows (a norm of x alone, or with a residual
+    gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials, 16-bit rows
+    and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
+    the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
+    (halves with a dresidual_out) and another as 8192 + a power-of-two tail, staged as deep as
+    shared memory allows."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(config, "_smem_ok", lambda index: True)
     monkeypatch.setattr(config, "INTERPRETED", False)
@@ -707,24 +709,98 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     if not smem_kernels.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     ok = dict(
-        n_cols=12288, elem_bytes=2, partials=2, plain=True, device=gpu, w4=False, aligned=True
+        n_cols=12288, elem_bytes=2, partials=2, kind="plain", device=gpu, w4=False, aligned=True
     )
     assert config.bwd_smem_partials(**ok)
+    assert config.bwd_smem_partials(**{**ok, "kind": "residual"})
     for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
-                   dict(elem_bytes=4), dict(partials=1), dict(partials=4), dict(plain=False),
-                   dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu"))):  # fmt: skip
+                   dict(elem_bytes=4), dict(partials=1), dict(partials=4), dict(kind=None),
+                   dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu")),
+                   dict(kind="residual", n_cols=12304)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**ok, **change}), change
+    assert config.bwd_smem_partials(**{**ok, "n_cols": 16384})
+    monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
+    assert not config.bwd_smem_partials(**{**ok, "kind": "residual"})
+    assert config.bwd_smem_partials(**ok)
     monkeypatch.setattr(config, "INTERPRETED", True)
     assert not config.bwd_smem_partials(**ok)
     assert config.bwd_smem_layout(16384) == (16384, 0, 2)
     assert config.bwd_smem_layout(12288) == (16384, 4096, 2)
     assert config.bwd_smem_layout(10256) == (16384, 4096, 2)
     assert config.bwd_smem_layout(14336) == (16384, 0, 2)  # a tail of 8192: the padded block
-    for n in range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16):
-        block, tail, stages = config.bwd_smem_layout(n)
+    assert config.bwd_smem_layout(12288, True) == (16384, 4096, 2)
+    # Where the rule takes dresidual_out (up to BWD_SMEM_RESIDUAL_MAX_COLS) it is staged too.
+    for n, dres_out in itertools.product(
+        range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16), (False, True)
+    ):
+        if dres_out and n > config.BWD_SMEM_RESIDUAL_MAX_COLS:
+            continue
+        block, tail, stages = config.bwd_smem_layout(n, dres_out)
         held = block // 2 + tail if tail else block
         assert held >= n and stages >= 2
-        assert held * (4 + 2 * 2 * stages) <= config.BWD_SMEM_BYTES
+        assert held * (4 + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
+
+
+def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
+    """What fused_norm_bwd launches at 12288 columns on a (stand-in) Hopper GPU: smem_kernels'
+    kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and x's dropout;
+    kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1 and its
+    second output, no bias). Before this rule, rowscale and layerscale took the Gluon kernel,
+    which ignored them."""
+    from fused_norm import smem_kernels
+
+    if not smem_kernels.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(config, "_nvidia", lambda device: True)
+    monkeypatch.setattr(config, "_smem_ok", lambda index: True)
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            launched.append(self.name)
+
+        def warm(self, *args, **kwargs):
+            pass
+
+        def resident(self, *args, **kwargs):
+            return 0
+
+    for name in ("_BWD", "_SUMS", "_RED", "_SMEM"):
+        monkeypatch.setattr(ops, name, Recorder(name), raising=False)
+    n, m, bf16 = 12288, 4, torch.bfloat16
+    s, dy, dres_out = (torch.randn(m, n, dtype=bf16) for _ in range(3))
+    w, b = torch.randn(n, dtype=bf16), torch.randn(n, dtype=bf16)
+    seeds = torch.zeros(2 * m, dtype=torch.int64)
+    stats = dict(mean=torch.zeros(m), rstd=torch.ones(m))
+    drop = dict(seeds=seeds, dropout_p=0.1, residual_dtype=bf16)
+    cases = {
+        "ln": (True, dict()),
+        "rms_bias": (True, dict(is_rms_norm=True)),
+        "residual": (True, dict(residual_dtype=bf16)),
+        "prenorm": (True, dict(residual_dtype=bf16, dresidual_out=dres_out)),
+        "dropout_prenorm": (True, dict(drop, dresidual_out=dres_out)),
+        "dropout": (True, drop),
+        "rowscale": (False, dict(rowscale=torch.ones(m, dtype=bf16))),
+        "rowscale_dropout": (False, dict(drop, rowscale=torch.ones(m, dtype=bf16))),
+        "layerscale": (False, dict(bias=None, layerscale=torch.ones(n, dtype=bf16), x0=s)),
+        "x1_dropout": (False, dict(drop, x1_dtype=bf16)),
+        "x1_w1": (False, dict(weight1=w, bias=None, dy1=dy, x1_dtype=bf16)),
+        "no_bias": (False, dict(bias=None)),
+    }
+    for name, (gluon, extra) in cases.items():
+        config.settings_changed()
+        launched.clear()
+        kwargs = {"bias": b, **stats, **extra}
+        ops.fused_norm_bwd(dy, s, w, kwargs.pop("bias"), kwargs.pop("weight1", None), None,
+                           **kwargs)  # fmt: skip
+        assert launched[0] == ("_SMEM" if gluon else "_BWD"), (name, launched)
+    config.settings_changed()
 
 
 def test_smem_kernel_compiles_for_sm90():
@@ -747,8 +823,8 @@ def test_smem_kernel_compiles_for_sm90():
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    for n in (12288, 16384):
-        block, tail, stages = config.bwd_smem_layout(n)
-        shared = int(re.search(rf"n={n} .* shared=(\d+)", out.stdout).group(1))
+    for n, residual in ((12288, False), (12288, True), (16384, False)):
+        block, tail, stages = config.bwd_smem_layout(n, residual)
+        shared = int(re.search(rf"n={n} residual={residual} .* shared=(\d+)", out.stdout).group(1))
         held = block // 2 + tail if tail else block
-        assert held * (4 + 2 * 2 * stages) <= shared <= 227 * 1024, out.stdout
+        assert held * (4 + 2 * stages * (3 if residual else 2)) <= shared <= 227 * 1024, out.stdout
