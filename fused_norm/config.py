@@ -833,11 +833,10 @@ def bwd_smem_partials(
     beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
     x's dropout: taken where BWD_SMEM_RESIDUAL, up to BWD_SMEM_RESIDUAL_MAX_COLS) or None
     (anything the kernel does not do: x1's gradient or second output, rowscale, layerscale).
-    Further: two partials (the weight's and
-    the bias's), 16-bit rows (``elem_bytes``) and weights (not ``w4``), bwd_smem_width's widths,
-    the rows' tensors 16-byte aligned with row strides of multiples of 16 elements
-    (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of compute capability 9 or more
-    whose blocks may take Hopper's shared memory. The kernel is Gluon's: never under the
+    Further: two partials (the weight's and the bias's), 16-bit rows (``elem_bytes``) and
+    weights (not ``w4``), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row
+    strides of multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA
+    GPU of compute capability 9 or more whose blocks may take Hopper's shared memory. The kernel is Gluon's: never under the
     interpreter."""
     residual = BWD_SMEM_RESIDUAL and n_cols <= BWD_SMEM_RESIDUAL_MAX_COLS
     if not (kind == "plain" or (kind == "residual" and residual)):
