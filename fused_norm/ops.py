@@ -619,12 +619,8 @@ def _bwd_run(
             dy.stride(0), _stride0(dresidual_out), dx.stride(0), _stride0(dresidual),
             programs * n, m, n, config.cdiv(m, programs), dropout_p,
         )  # fmt: skip
-        if warm:
-            _SMEM.warm((programs,), dev, args, flags, warps)
-            _RED.warm(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
-            return
-        _SMEM((programs,), dev, args, flags, warps)
-        _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        (_SMEM.warm if warm else _SMEM)((programs,), dev, args, flags, warps)
+        (_RED.warm if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     if sums is not None:
         (_SUMS.warm if warm else _SUMS)(
@@ -721,7 +717,7 @@ def _bwd_make_plan(
         kind = "plain" if plain else "residual"
     smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned)
     if smem:  # one program per SM (its shared memory), the row held whole
-        block_n, tail, _ = config.bwd_smem_layout(n, dresidual_out is not None)
+        block_n, tail, _ = config.bwd_smem_layout(n)  # (staging depth: smem_flags)
         num_chunks, warps, exchange = 1, config.BWD_SMEM_WARPS, False
     else:
         block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
