@@ -803,14 +803,16 @@ def bwd_launch_layout(
 
 # The backward of LayerNorm-type rows with a weight and a bias (two partials), 16-bit rows and
 # weights, of BWD_SMEM_MIN_COLS-16384 columns: one program per SM holding the whole row, its
-# partial dW in shared memory (smem_kernels, Gluon), in place of column blocks that exchange
-# their row sums (bwd_launch_layout). A norm of x alone since 2026-11-25 (bench/NOTES.md #70);
-# with a residual gradient in and out and x's dropout (dropout + add + LayerNorm, prenorm) up
-# to BWD_SMEM_RESIDUAL_MAX_COLS, where BWD_SMEM_RESIDUAL (#71: 66 -> 85% of copy at 12288; at
-# 16384 no layout that fits beat the exchange's 68%). ``FUSED_NORM_BWD_SMEM=0`` turns it off.
+# partial dW in shared memory or registers (smem_kernels, Gluon; bwd_smem_dw_regs), in place of
+# column blocks that exchange their row sums (bwd_launch_layout). A norm of x alone since
+# 2026-11-25 (bench/NOTES.md #70); with a residual gradient in and out and x's dropout
+# (dropout + add + LayerNorm, prenorm) up to BWD_SMEM_RESIDUAL_MAX_COLS, where
+# BWD_SMEM_RESIDUAL (#71: 66 -> 85% of copy at 12288; at 14336-16384, where s, dy and
+# dresidual_out fit 2 deep only with dW in registers, #72: 66-68 -> 79-84%).
+# ``FUSED_NORM_BWD_SMEM=0`` turns it off.
 BWD_SMEM_PARTIALS = os.environ.get("FUSED_NORM_BWD_SMEM", "1") != "0"
 BWD_SMEM_RESIDUAL = True
-BWD_SMEM_RESIDUAL_MAX_COLS = 12288
+BWD_SMEM_RESIDUAL_MAX_COLS = 16384
 BWD_SMEM_MIN_COLS = 10241
 BWD_SMEM_MAX_COLS = 16384
 BWD_SMEM_WARPS = 16
@@ -850,19 +852,47 @@ def bwd_smem_partials(
     return smem_kernels.AVAILABLE and _smem_ok(device.index)
 
 
-def bwd_smem_layout(n_cols: int, dres_out: bool = False) -> tuple[int, int, int]:
+# Which rows of smem_kernels' backward keep the partial dW in registers and the weight in
+# shared memory (as stored, widened at each of its two reads a row) instead of the other way
+# round (bwd_smem_dw_regs): "measured", True (every row) or False (none).
+BWD_SMEM_DW_REGS = "measured"
+
+
+def bwd_smem_dw_regs(dres_out: bool, weight_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether smem_kernels' backward keeps partial dW in registers and the weight in shared
+    memory (BWD_SMEM_DW_REGS): under "measured", rows with dresidual_out staged (the three
+    staged rows fit 2 deep at 16384 columns only beside the 16-bit weight, not beside the
+    fp32 dW) and rows with bf16 weights (``weight_dtype``), whose widening is a shift.
+
+    Graph replay, H200, 2026-11-25 (bench/NOTES.md #72), two runs each, dW in shared memory
+    -> registers: dropout + add + LayerNorm, prenorm, bf16 16384 68.1-68.2% of copy (the
+    exchange: the kernel did not fit) -> 82.8-84.2%, 14336 65.6-66.3 -> 79.2-79.6%, 12288
+    84.7-84.9 -> 86.3-86.7%, 11264 79.2-79.6 -> 80.8-81.5%, 10256 71.1-71.2 -> 73.8%; fp16
+    16384 69.4-69.6 (exchange) -> 82.1-83.3%, 12288 86.3-86.4 -> 89.0-89.1%. LayerNorm alone,
+    bf16: 16384 84.2 -> 90.0%, 12288 79.9-80.0 -> 84.6-84.7%, 10256 66.1-66.2 -> 69.9-70.1%;
+    fp16 16384 89.5-89.8 -> 87.1-87.7% (not there: its weight is widened by a conversion)."""
+    if BWD_SMEM_DW_REGS is True or BWD_SMEM_DW_REGS is False:
+        return BWD_SMEM_DW_REGS
+    return dres_out or weight_dtype == torch.bfloat16
+
+
+def bwd_smem_layout(
+    n_cols: int, dres_out: bool = False, weight_dtype: torch.dtype = torch.bfloat16
+) -> tuple[int, int, int]:
     """(block_n, tail, stages) of smem_kernels' kernel: a power-of-two row is one block;
     another is held as 8192 columns and a power-of-two tail, ``block_n`` then being the padded
     16384 (kernels.py's convention: ``block_n // 2`` then ``tail``); rows of s and dy (and with
     ``dres_out`` of dresidual_out) staged ``stages`` deep, as many as fit beside the fp32
-    partial dW up to BWD_SMEM_MAX_STAGES (2: 3 stages at 12288 columns measured 0.1-0.5 points
-    behind 2, bench/NOTES.md #70)."""
+    partial dW (or, where bwd_smem_dw_regs keeps dW in registers, beside the 16-bit weight) up
+    to BWD_SMEM_MAX_STAGES (2: 3 stages at 12288 columns measured 0.1-0.5 points behind 2,
+    bench/NOTES.md #70)."""
     block_n, tail = next_power_of_2(n_cols), 0
     if block_n > 8192 and block_n != n_cols and next_power_of_2(n_cols - 8192) < 8192:
         tail = next_power_of_2(n_cols - 8192)
     held = block_n // 2 + tail if tail else block_n
     staged = 2 * held * (3 if dres_out else 2)
-    return block_n, tail, min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - 4 * held) // staged)
+    fixed = 2 * held if bwd_smem_dw_regs(dres_out, weight_dtype) else 4 * held  # w or dW
+    return block_n, tail, min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - fixed) // staged)
 
 
 @functools.cache

@@ -512,7 +512,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
 def _bwd_kernel_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
-    smem, partials, warps, max_programs,
+    smem, partials, warps, max_programs, weight_dtype,
 ):  # fmt: skip
     """What _bwd_run launches with, beyond its arguments: ``(flags, stage_key, maxnreg)`` of
     the backward kernel (_bwd_plan; with ``smem`` the constexprs of smem_kernels' kernel and
@@ -526,7 +526,7 @@ def _bwd_kernel_plan(
     if smem:
         flags = smem_flags(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
-            dresidual_out is not None, dresidual is not None, dropout_p > 0.0,
+            dresidual_out is not None, dresidual is not None, dropout_p > 0.0, weight_dtype,
         )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -552,13 +552,15 @@ def _bwd_kernel_plan(
 
 def smem_flags(
     n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
-    store_dres=False, dropout=False,
+    store_dres=False, dropout=False, weight_dtype=torch.bfloat16,
 ) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
     elements (config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
     compiles what this gives): with ``has_dres_out`` a gradient of the residual stream comes
-    in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped."""
-    block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out)
+    in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped;
+    ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs)."""
+    block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
+    dw_regs = config.bwd_smem_dw_regs(has_dres_out, weight_dtype)
     warps = config.BWD_SMEM_WARPS
     return dict(
         BLOCK_N=block_n // 2 if tail else block_n,
@@ -569,6 +571,8 @@ def smem_flags(
         STORE_DRESIDUAL=store_dres,
         HAS_DROPOUT=dropout,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
+        W_SMEM=dw_regs,
+        DW_REGS=dw_regs,
         STAGES=stages,
         VEC=16 // elem_bytes,
         TAIL_VEC=max(tail // (32 * warps), 1),
@@ -600,15 +604,15 @@ def _bwd_run(
             dev, n, block_n, num_chunks, tail, smem, warps, max_programs, partials, has_bias, has_b1,
             dropout_p > 0.0, is_rms_norm, zero_centered_weight,
             *(None if t is None else t.dtype
-              for t in (s, weight1, mean, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-                        dx1, dresidual, c12)),
+              for t in (s, weight, weight1, mean, dy, dy1, dresidual_out, x0, layerscale,
+                        rowscale, dx1, dresidual, c12)),
         )  # fmt: skip
         kplan = _OP_KPLANS.get(key)
         if kplan is None:
             kplan = _OP_KPLANS[key] = _bwd_kernel_plan(
                 dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1,
                 dresidual, c12, has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight,
-                block_n, num_chunks, tail, smem, partials, warps, max_programs,
+                block_n, num_chunks, tail, smem, partials, warps, max_programs, weight.dtype,
             )  # fmt: skip
     flags, stage_key, maxnreg, sums, red = kplan
     red_grid = (config.cdiv(n, red["BLOCK_N"]), partials)
@@ -746,6 +750,7 @@ def _bwd_make_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual,
         c12_stand, bias is not None, bias1 is not None, dropout_p, is_rms_norm,
         zero_centered_weight, block_n, num_chunks, tail, smem, partials, warps, max_programs,
+        weight.dtype,
     )  # fmt: skip
     layout = (block_n, num_chunks, tail, smem, warps)
     return _BwdPlan(own_dres, own_dx1, partials, layout, c12, max_programs, kplan)

@@ -71,11 +71,19 @@ if AVAILABLE:
         _async_copy.commit_group()
 
     @gluon.jit
-    def _part_terms(s_buf, dy_buf, slot, layout: gl.constexpr, wf, mean, rstd):
-        """xhat, dy and wdy = w * dy of one part (block or tail) of the staged row, fp32.
-        Columns past N read zeros: dy = 0 there, so every term they add is zero."""
+    def _part_terms(s_buf, dy_buf, slot, layout: gl.constexpr, w, mean, rstd,
+                    W_SMEM: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+        """xhat, dy and wdy = w * dy of one part (block or tail) of the staged row, fp32; ``w``
+        the part's weight as _part_setup holds it. Columns past N read zeros: dy = 0 there,
+        so every term they add is zero."""
         s = s_buf.index(slot).load(layout).to(gl.float32)
         dy = dy_buf.index(slot).load(layout).to(gl.float32)
+        if W_SMEM:
+            wf = w.load(layout).to(gl.float32)
+            if ZERO_CENTERED_WEIGHT:
+                wf += 1.0
+        else:
+            wf = w
         return (s - mean) * rstd, dy, wf * dy
 
     @gluon.jit
@@ -97,11 +105,14 @@ if AVAILABLE:
                     stride_dres_row, dw_acc, db, PART_N: gl.constexpr, VEC: gl.constexpr,
                     NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                     HAS_DRESIDUAL_OUT: gl.constexpr, STORE_DRESIDUAL: gl.constexpr,
-                    HAS_DROPOUT: gl.constexpr):  # fmt: skip
+                    HAS_DROPOUT: gl.constexpr, W_SMEM: gl.constexpr, DW_REGS: gl.constexpr,
+                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
         """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
         sum, and dx: ds through dropout) and add its terms to the partials (dW in shared
-        memory, private to each thread by the layout; dB in registers); returns dB."""
-        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd)
+        memory, private to each thread by the layout, or with DW_REGS in registers; dB in
+        registers); returns (dW, dB)."""
+        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, W_SMEM,
+                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
         if IS_RMS_NORM:
             ds = (wdy - xhat * c1) * rstd
         else:
@@ -117,10 +128,13 @@ if AVAILABLE:
             keep = _keep(SEEDS, row, col0, dropout_p, PART_N, VEC, NUM_WARPS, layout)
             dx = gl.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
         gl.store(DX + r * stride_dx_row + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
-        dw_acc.store(dw_acc.load(layout) + dy * xhat)
+        if DW_REGS:
+            dw_acc += dy * xhat
+        else:
+            dw_acc.store(dw_acc.load(layout) + dy * xhat)
         if HAS_BIAS:
             db += dy
-        return db
+        return dw_acc, db
 
     @gluon.jit
     def _weight(W, cols, N, ZERO_CENTERED_WEIGHT: gl.constexpr):
@@ -132,11 +146,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _part_setup(S, DY, DRES_OUT, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
-                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
-                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr, W_SMEM: gl.constexpr,
+                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
         """One part's columns (``col0`` on), its staging buffers of s, dy and (with
         HAS_DRESIDUAL_OUT; else s's buffer stands in, never read) dresidual_out, its zeroed
-        partial dW in shared memory, its zeroed partial dB and its weight (fp32)."""
+        partial dW (in shared memory, or with DW_REGS in registers), its zeroed partial dB
+        and its weight: in registers (fp32), or with W_SMEM in shared memory as stored (zero
+        past N)."""
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         cols = col0 + gl.arange(0, PART_N, layout=layout)
         s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
@@ -144,19 +160,31 @@ if AVAILABLE:
         r_buf = s_buf
         if HAS_DRESIDUAL_OUT:
             r_buf = gl.allocate_shared_memory(DRES_OUT.dtype.element_ty, [STAGES, PART_N], shared)
-        dw_acc = gl.allocate_shared_memory(
-            gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
-        )
+        if DW_REGS:
+            dw_acc = gl.zeros([PART_N], gl.float32, layout)
+        else:
+            dw_acc = gl.allocate_shared_memory(
+                gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
+            )
         db = gl.zeros([PART_N], gl.float32, layout)
-        wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+        if W_SMEM:
+            wf = gl.allocate_shared_memory(
+                W.dtype.element_ty, [PART_N], shared, gl.load(W + cols, mask=cols < N, other=0.0)
+            )
+        else:
+            wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
         return cols, s_buf, dy_buf, r_buf, dw_acc, db, wf
 
     @gluon.jit
     def _store_part_partials(part, slab, cols, N, dw_acc, db, layout: gl.constexpr,
-                             HAS_BIAS: gl.constexpr):  # fmt: skip
-        """One part's partial dW (from shared memory) and dB into the program's rows of
-        their slabs (``part``: the program's row of the first; ``slab``: elements apart)."""
-        gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
+                             HAS_BIAS: gl.constexpr, DW_REGS: gl.constexpr):  # fmt: skip
+        """One part's partial dW (from shared memory, or registers) and dB into the program's
+        rows of their slabs (``part``: the program's row of the first; ``slab``: elements
+        apart)."""
+        if DW_REGS:
+            gl.store(part + cols, dw_acc, mask=cols < N)
+        else:
+            gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
         if HAS_BIAS:
             gl.store(part + slab + cols, db, mask=cols < N)
 
@@ -185,6 +213,8 @@ if AVAILABLE:
         STORE_DRESIDUAL: gl.constexpr,
         HAS_DROPOUT: gl.constexpr,
         ZERO_CENTERED_WEIGHT: gl.constexpr,
+        W_SMEM: gl.constexpr,        # the weight in shared memory as stored (else fp32 registers)
+        DW_REGS: gl.constexpr,       # partial dW in registers (else shared memory)
         STAGES: gl.constexpr,        # rows staged in shared memory (>= 2)
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
         TAIL_VEC: gl.constexpr,      # and in the tail (1 where there is none)
@@ -198,13 +228,13 @@ if AVAILABLE:
         row_start = pid.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, dw_acc, db, wf = _part_setup(
-            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT,
-            ZERO_CENTERED_WEIGHT,
+            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, W_SMEM,
+            DW_REGS, ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
         if TAIL_N > 0:
             tcols, ts_buf, tdy_buf, tr_buf, tdw_acc, tdb, twf = _part_setup(
                 S, DY, DRES_OUT, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, HAS_DRESIDUAL_OUT,
-                ZERO_CENTERED_WEIGHT,
+                W_SMEM, DW_REGS, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf, tr_buf = cols, s_buf, dy_buf, r_buf
@@ -233,13 +263,15 @@ if AVAILABLE:
             _barrier()
             slot = i % STAGES
             # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
-            xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd)
+            xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, W_SMEM,
+                                        ZERO_CENTERED_WEIGHT)  # fmt: skip
             c1 = gl.sum(xhat * wdy, axis=0)
             c2 = 0.0
             if not IS_RMS_NORM:
                 c2 = gl.sum(wdy, axis=0)
             if TAIL_N > 0:
-                xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd)
+                xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
+                                            W_SMEM, ZERO_CENTERED_WEIGHT)  # fmt: skip
                 c1 += gl.sum(xhat * wdy, axis=0)
                 if not IS_RMS_NORM:
                     c2 += gl.sum(wdy, axis=0)
@@ -249,22 +281,27 @@ if AVAILABLE:
             # the sums (the barrier keeps the two reads apart): registers, not bandwidth,
             # limit a program of 16384 columns.
             _barrier()
-            db = _part_grads(s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2,
-                             DX, DRES, SEEDS, row, 0, dropout_p, cols, N, stride_dx_row,
-                             stride_dres_row, dw_acc, db, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM,
-                             HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT)  # fmt: skip
+            dw_acc, db = _part_grads(
+                s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
+                0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
+                NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
+                HAS_DROPOUT, W_SMEM, DW_REGS, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
             if TAIL_N > 0:
-                tdb = _part_grads(ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean,
-                                  rstd, c1, c2, DX, DRES, SEEDS, row, BLOCK_N, dropout_p, tcols,
-                                  N, stride_dx_row, stride_dres_row, tdw_acc, tdb, TAIL_N,
-                                  TAIL_VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
-                                  STORE_DRESIDUAL, HAS_DROPOUT)  # fmt: skip
+                tdw_acc, tdb = _part_grads(
+                    ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
+                    DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
+                    stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
+                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, W_SMEM, DW_REGS,
+                    ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next
             mean = mean_next
         _async_copy.wait_group(0)
         part = PARTS + pid.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)
-        _store_part_partials(part, slab, cols, N, dw_acc, db, layout, HAS_BIAS)
+        _store_part_partials(part, slab, cols, N, dw_acc, db, layout, HAS_BIAS, DW_REGS)
         if TAIL_N > 0:
-            _store_part_partials(part, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS)
+            _store_part_partials(part, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS,
+                                 DW_REGS)  # fmt: skip

@@ -384,9 +384,9 @@ def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centere
     assert _smem_plans() == [True]
 
 
-@settings(max_examples=16, deadline=None, derandomize=True)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(
-    n=st.sampled_from([10256, 11264, 12000, 12288]),  # up to config.BWD_SMEM_RESIDUAL_MAX_COLS
+    n=st.sampled_from([10256, 11264, 12000, 12288, 13008, 14336, 16000, 16384]),
     dtype=st.sampled_from([BF16, FP16]),
     is_rms_norm=st.booleans(),
     zero_centered_weight=st.booleans(),
@@ -399,9 +399,10 @@ def test_gpu_smem_backward_residual_dropout_matches_reference(
 ):
     """smem_kernels' kernel with a residual (its gradient out; in, with prenorm) and x's
     dropout (the mask regenerated from the seeds as kernels._keep_mask draws it), at the
-    widths it takes them (10K-12K: 8192 + a tail of 4096): every gradient against the fp64
-    reference, which applies the mask the forward returned. The test fails if the plan did not
-    take that kernel."""
+    widths it takes them (10K-12K: 8192 + a tail of 4096; 13K-16K: one block, padded past N),
+    with dresidual_out staged (prenorm: partial dW in registers, the weight in shared memory,
+    config.bwd_smem_dw_regs) or not: every gradient against the fp64 reference, which applies
+    the mask the forward returned. The test fails if the plan did not take that kernel."""
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
     _fresh_plans()

@@ -699,8 +699,8 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials, 16-bit rows
     and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
     the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
-    (halves with a dresidual_out) and another as 8192 + a power-of-two tail, staged as deep as
-    shared memory allows."""
+    and another as 8192 + a power-of-two tail, staged as deep as shared memory allows beside
+    the partial dW (or, with a dresidual_out staged, the weight: bwd_smem_dw_regs)."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(config, "_smem_ok", lambda index: True)
     monkeypatch.setattr(config, "INTERPRETED", False)
@@ -716,9 +716,16 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
                    dict(elem_bytes=4), dict(partials=1), dict(partials=4), dict(kind=None),
                    dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu")),
-                   dict(kind="residual", n_cols=12304)):  # fmt: skip
+                   dict(kind="residual", n_cols=16400)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**ok, **change}), change
     assert config.bwd_smem_partials(**{**ok, "n_cols": 16384})
+    assert config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 16384})
+    monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL_MAX_COLS", 12288)
+    assert not config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 12304})
+    assert config.bwd_smem_partials(**{**ok, "n_cols": 12304})
+    monkeypatch.undo()
+    monkeypatch.setattr(config, "_smem_ok", lambda index: True)
+    monkeypatch.setattr(config, "INTERPRETED", False)
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
     assert not config.bwd_smem_partials(**{**ok, "kind": "residual"})
     assert config.bwd_smem_partials(**ok)
@@ -729,7 +736,13 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_layout(10256) == (16384, 4096, 2)
     assert config.bwd_smem_layout(14336) == (16384, 0, 2)  # a tail of 8192: the padded block
     assert config.bwd_smem_layout(12288, True) == (16384, 4096, 2)
-    # Where the rule takes dresidual_out (up to BWD_SMEM_RESIDUAL_MAX_COLS) it is staged too.
+    assert config.bwd_smem_layout(16384, True) == (16384, 0, 2)
+    # dW in registers, the weight in shared memory: with dresidual_out, or bf16 weights
+    assert config.bwd_smem_dw_regs(True, torch.float16) and config.bwd_smem_dw_regs(False)
+    assert not config.bwd_smem_dw_regs(False, torch.float16)
+    assert config.bwd_smem_layout(16384, False, torch.float16) == (16384, 0, 2)
+    # Where the rule takes dresidual_out (up to BWD_SMEM_RESIDUAL_MAX_COLS) it is staged too,
+    # beside the weight (16-bit) where dW is in registers, else beside the fp32 partial dW.
     for n, dres_out in itertools.product(
         range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16), (False, True)
     ):
@@ -738,12 +751,14 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
         block, tail, stages = config.bwd_smem_layout(n, dres_out)
         held = block // 2 + tail if tail else block
         assert held >= n and stages >= 2
-        assert held * (4 + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
+        fixed = 2 if config.bwd_smem_dw_regs(dres_out) else 4
+        assert held * (fixed + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
 
 
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
-    """What fused_norm_bwd launches at 12288 columns on a (stand-in) Hopper GPU: smem_kernels'
-    kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and x's dropout;
+    """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
+    smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
+    x's dropout;
     kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1 and its
     second output, no bias). Before this rule, rowscale and layerscale took the Gluon kernel,
     which ignored them."""
@@ -773,7 +788,12 @@ def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
 
     for name in ("_BWD", "_SUMS", "_RED", "_SMEM"):
         monkeypatch.setattr(ops, name, Recorder(name), raising=False)
-    n, m, bf16 = 12288, 4, torch.bfloat16
+    for n in (12288, 16384):
+        _smem_plan_cases(n, launched)
+
+
+def _smem_plan_cases(n, launched):
+    m, bf16 = 4, torch.bfloat16
     s, dy, dres_out = (torch.randn(m, n, dtype=bf16) for _ in range(3))
     w, b = torch.randn(n, dtype=bf16), torch.randn(n, dtype=bf16)
     seeds = torch.zeros(2 * m, dtype=torch.int64)
@@ -799,15 +819,16 @@ def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
         kwargs = {"bias": b, **stats, **extra}
         ops.fused_norm_bwd(dy, s, w, kwargs.pop("bias"), kwargs.pop("weight1", None), None,
                            **kwargs)  # fmt: skip
-        assert launched[0] == ("_SMEM" if gluon else "_BWD"), (name, launched)
+        assert launched[0] == ("_SMEM" if gluon else "_BWD"), (n, name, launched)
     config.settings_changed()
 
 
 def test_smem_kernel_compiles_for_sm90():
     """The Gluon kernel compiles for an H100/H200 (sm_90) with this Triton, offline
     (scripts/compile_smem.py, in a process without the interpreter: there is no Gluon under
-    it, so this is what CI can check of the kernel), for LayerNorm with a bias at both layouts
-    (a whole 16384 row; 8192 + a 4096 tail), within the shared memory a Hopper block may take."""
+    it, so this is what CI can check of the kernel), for LayerNorm with a bias alone and for
+    dropout + add + LayerNorm with prenorm at both layouts (a whole 16384 row; 8192 + a 4096
+    tail), within the shared memory a Hopper block may take."""
     import os
     import re
     import subprocess
@@ -823,8 +844,10 @@ def test_smem_kernel_compiles_for_sm90():
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    for n, residual in ((12288, False), (12288, True), (16384, False)):
+    for n, residual in ((12288, False), (12288, True), (16384, False), (16384, True)):
         block, tail, stages = config.bwd_smem_layout(n, residual)
         shared = int(re.search(rf"n={n} residual={residual} .* shared=(\d+)", out.stdout).group(1))
         held = block // 2 + tail if tail else block
-        assert held * (4 + 2 * stages * (3 if residual else 2)) <= shared <= 227 * 1024, out.stdout
+        fixed = 2 if config.bwd_smem_dw_regs(residual) else 4  # the weight, or dW (fp32)
+        staged = held * (fixed + 2 * stages * (3 if residual else 2))
+        assert staged <= shared <= 227 * 1024, out.stdout
