@@ -858,11 +858,14 @@ def bwd_smem_partials(
 BWD_SMEM_DW_REGS = "measured"
 
 
-def bwd_smem_dw_regs(dres_out: bool, weight_dtype: torch.dtype = torch.bfloat16) -> bool:
+def bwd_smem_dw_regs(
+    dres_out: bool, weight_dtype: torch.dtype = torch.bfloat16, tail: int = 1
+) -> bool:  # fmt: skip
     """Whether smem_kernels' backward keeps partial dW in registers and the weight in shared
     memory (BWD_SMEM_DW_REGS): under "measured", rows with dresidual_out staged (the three
     staged rows fit 2 deep at 16384 columns only beside the 16-bit weight, not beside the
-    fp32 dW) and rows with bf16 weights (``weight_dtype``), whose widening is a shift.
+    fp32 dW), rows with bf16 weights (``weight_dtype``), and rows held as 8192 + a ``tail``
+    (bwd_smem_layout; 0: one block of 16384); so all but fp16 weights of one-block rows.
 
     Graph replay, H200, 2026-11-25 (bench/NOTES.md #72), two runs each, dW in shared memory
     -> registers: dropout + add + LayerNorm, prenorm, bf16 16384 68.1-68.2% of copy (the
@@ -870,10 +873,12 @@ def bwd_smem_dw_regs(dres_out: bool, weight_dtype: torch.dtype = torch.bfloat16)
     84.7-84.9 -> 86.3-86.7%, 11264 79.2-79.6 -> 80.8-81.5%, 10256 71.1-71.2 -> 73.8%; fp16
     16384 69.4-69.6 (exchange) -> 82.1-83.3%, 12288 86.3-86.4 -> 89.0-89.1%. LayerNorm alone,
     bf16: 16384 84.2 -> 90.0%, 12288 79.9-80.0 -> 84.6-84.7%, 10256 66.1-66.2 -> 69.9-70.1%;
-    fp16 16384 89.5-89.8 -> 87.1-87.7% (not there: its weight is widened by a conversion)."""
+    fp16 12288 79.4-79.6 -> 86.7-86.8%, 10256 66.3-66.5 -> 72.0-72.1%, but 16384 89.5-89.8 ->
+    87.1-87.7% (both 128 registers without spills offline: not a register limit; not
+    explained)."""
     if BWD_SMEM_DW_REGS is True or BWD_SMEM_DW_REGS is False:
         return BWD_SMEM_DW_REGS
-    return dres_out or weight_dtype == torch.bfloat16
+    return dres_out or weight_dtype == torch.bfloat16 or tail > 0
 
 
 def bwd_smem_layout(
@@ -891,7 +896,7 @@ def bwd_smem_layout(
         tail = next_power_of_2(n_cols - 8192)
     held = block_n // 2 + tail if tail else block_n
     staged = 2 * held * (3 if dres_out else 2)
-    fixed = 2 * held if bwd_smem_dw_regs(dres_out, weight_dtype) else 4 * held  # w or dW
+    fixed = 2 * held if bwd_smem_dw_regs(dres_out, weight_dtype, tail) else 4 * held  # w / dW
     return block_n, tail, min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - fixed) // staged)
 
 

@@ -560,7 +560,6 @@ def smem_flags(
     in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped;
     ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs)."""
     block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
-    dw_regs = config.bwd_smem_dw_regs(has_dres_out, weight_dtype)
     warps = config.BWD_SMEM_WARPS
     return dict(
         BLOCK_N=block_n // 2 if tail else block_n,
@@ -571,8 +570,7 @@ def smem_flags(
         STORE_DRESIDUAL=store_dres,
         HAS_DROPOUT=dropout,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
-        W_SMEM=dw_regs,
-        DW_REGS=dw_regs,
+        DW_REGS=config.bwd_smem_dw_regs(has_dres_out, weight_dtype, tail),
         STAGES=stages,
         VEC=16 // elem_bytes,
         TAIL_VEC=max(tail // (32 * warps), 1),

@@ -7,10 +7,13 @@ Why: the Triton backward (kernels.py) holds its fp32 partial dW and dB in regist
 partials alone, half of an H100/H200 multiprocessor's register file, and the row's own values
 the other half: such rows spilled when held in one program, and were split into column blocks
 that exchange their row sums (bench/NOTES.md #44-#49, #63, #65), at 62-65% of copy. Here one
-program per multiprocessor keeps partial dW in shared memory (64 KB at 16384 columns), partial
-dB and the weight in registers, and stages its rows through shared memory with ``cp.async``
-(STAGES rows in flight): per row, pass 1 reads the staged row for the row sums c1, c2, pass 2
-reads it again for dx and adds the row's terms to the partials. Partials are written as the
+program per multiprocessor stages its rows through shared memory with ``cp.async`` (STAGES
+rows in flight), so that registers hold no row: per row, pass 1 reads the staged row for the
+row sums c1, c2, pass 2 reads it again for dx and adds the row's terms to the partials. Partial
+dB is kept in registers; partial dW in shared memory (64 KB at 16384 columns) with the weight
+in registers as fp32, or (DW_REGS, config.bwd_smem_dw_regs: where three rows are staged, and
+for all but fp16 weights of one-block rows) dW in registers with the weight in shared memory as
+stored (#72). Partials are written as the
 Triton kernel writes them (one (programs, N) fp32 slab per gradient), for the same sum kernel.
 
 With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
@@ -72,13 +75,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _part_terms(s_buf, dy_buf, slot, layout: gl.constexpr, w, mean, rstd,
-                    W_SMEM: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
         """xhat, dy and wdy = w * dy of one part (block or tail) of the staged row, fp32; ``w``
         the part's weight as _part_setup holds it. Columns past N read zeros: dy = 0 there,
         so every term they add is zero."""
         s = s_buf.index(slot).load(layout).to(gl.float32)
         dy = dy_buf.index(slot).load(layout).to(gl.float32)
-        if W_SMEM:
+        if DW_REGS:  # the weight in shared memory, as stored
             wf = w.load(layout).to(gl.float32)
             if ZERO_CENTERED_WEIGHT:
                 wf += 1.0
@@ -105,13 +108,13 @@ if AVAILABLE:
                     stride_dres_row, dw_acc, db, PART_N: gl.constexpr, VEC: gl.constexpr,
                     NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr, HAS_BIAS: gl.constexpr,
                     HAS_DRESIDUAL_OUT: gl.constexpr, STORE_DRESIDUAL: gl.constexpr,
-                    HAS_DROPOUT: gl.constexpr, W_SMEM: gl.constexpr, DW_REGS: gl.constexpr,
+                    HAS_DROPOUT: gl.constexpr, DW_REGS: gl.constexpr,
                     ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
         """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
         sum, and dx: ds through dropout) and add its terms to the partials (dW in shared
         memory, private to each thread by the layout, or with DW_REGS in registers; dB in
         registers); returns (dW, dB)."""
-        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, W_SMEM,
+        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
                                     ZERO_CENTERED_WEIGHT)  # fmt: skip
         if IS_RMS_NORM:
             ds = (wdy - xhat * c1) * rstd
@@ -146,13 +149,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _part_setup(S, DY, DRES_OUT, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
-                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr, W_SMEM: gl.constexpr,
-                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr, DW_REGS: gl.constexpr,
+                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
         """One part's columns (``col0`` on), its staging buffers of s, dy and (with
         HAS_DRESIDUAL_OUT; else s's buffer stands in, never read) dresidual_out, its zeroed
-        partial dW (in shared memory, or with DW_REGS in registers), its zeroed partial dB
-        and its weight: in registers (fp32), or with W_SMEM in shared memory as stored (zero
-        past N)."""
+        partial dW, its zeroed partial dB (registers) and its weight: dW in shared memory and
+        the weight in registers (fp32), or with DW_REGS dW in registers and the weight in
+        shared memory as stored (zero past N)."""
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         cols = col0 + gl.arange(0, PART_N, layout=layout)
         s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
@@ -167,7 +170,7 @@ if AVAILABLE:
                 gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
             )
         db = gl.zeros([PART_N], gl.float32, layout)
-        if W_SMEM:
+        if DW_REGS:
             wf = gl.allocate_shared_memory(
                 W.dtype.element_ty, [PART_N], shared, gl.load(W + cols, mask=cols < N, other=0.0)
             )
@@ -213,8 +216,7 @@ if AVAILABLE:
         STORE_DRESIDUAL: gl.constexpr,
         HAS_DROPOUT: gl.constexpr,
         ZERO_CENTERED_WEIGHT: gl.constexpr,
-        W_SMEM: gl.constexpr,        # the weight in shared memory as stored (else fp32 registers)
-        DW_REGS: gl.constexpr,       # partial dW in registers (else shared memory)
+        DW_REGS: gl.constexpr,       # partial dW in registers, the weight in shared memory
         STAGES: gl.constexpr,        # rows staged in shared memory (>= 2)
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
         TAIL_VEC: gl.constexpr,      # and in the tail (1 where there is none)
@@ -228,13 +230,13 @@ if AVAILABLE:
         row_start = pid.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, dw_acc, db, wf = _part_setup(
-            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, W_SMEM,
-            DW_REGS, ZERO_CENTERED_WEIGHT,
+            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, DW_REGS,
+            ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
         if TAIL_N > 0:
             tcols, ts_buf, tdy_buf, tr_buf, tdw_acc, tdb, twf = _part_setup(
                 S, DY, DRES_OUT, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, HAS_DRESIDUAL_OUT,
-                W_SMEM, DW_REGS, ZERO_CENTERED_WEIGHT,
+                DW_REGS, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf, tr_buf = cols, s_buf, dy_buf, r_buf
@@ -263,7 +265,7 @@ if AVAILABLE:
             _barrier()
             slot = i % STAGES
             # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
-            xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, W_SMEM,
+            xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
                                         ZERO_CENTERED_WEIGHT)  # fmt: skip
             c1 = gl.sum(xhat * wdy, axis=0)
             c2 = 0.0
@@ -271,7 +273,7 @@ if AVAILABLE:
                 c2 = gl.sum(wdy, axis=0)
             if TAIL_N > 0:
                 xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
-                                            W_SMEM, ZERO_CENTERED_WEIGHT)  # fmt: skip
+                                            DW_REGS, ZERO_CENTERED_WEIGHT)  # fmt: skip
                 c1 += gl.sum(xhat * wdy, axis=0)
                 if not IS_RMS_NORM:
                     c2 += gl.sum(wdy, axis=0)
@@ -285,14 +287,14 @@ if AVAILABLE:
                 s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
                 0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
                 NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
-                HAS_DROPOUT, W_SMEM, DW_REGS, ZERO_CENTERED_WEIGHT,
+                HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
             )  # fmt: skip
             if TAIL_N > 0:
                 tdw_acc, tdb = _part_grads(
                     ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
                     DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
                     stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
-                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, W_SMEM, DW_REGS,
+                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
                     ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again

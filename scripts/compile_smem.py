@@ -6,7 +6,9 @@ out, x's dropout):
 
     python scripts/compile_smem.py 12288 16384
 
-(dropout + add + LayerNorm only up to config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is chosen.)
+(bf16 and, for a norm of x alone, fp16 rows and weights: fp16 weights of one-block rows keep
+partial dW in shared memory; dropout + add + LayerNorm only up to config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is
+chosen.)
 
 Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
 are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.
@@ -21,6 +23,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
@@ -30,12 +33,15 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/
 
 
 def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
-    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n``, for a
-    norm of x alone or (``residual``) dropout + add + LayerNorm with prenorm."""
+    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n`` for rows
+    and weights of ``dtype`` ("bf16" or "fp16": where partial dW is kept depends on it,
+    config.bwd_smem_dw_regs), for a norm of x alone or (``residual``) dropout + add +
+    LayerNorm with prenorm."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # What the launcher passes.
-    constexprs = ops.smem_flags(n, 2, False, True, False, residual, residual, residual)
+    wdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    constexprs = ops.smem_flags(n, 2, False, True, False, residual, residual, residual, wdtype)
     warps = constexprs["NUM_WARPS"]
     names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS stride_s_row stride_dy_row "
              "stride_dres_out_row stride_dx_row stride_dres_row stride_part M N "
@@ -71,8 +77,13 @@ if __name__ == "__main__":
     if not smem_kernels.AVAILABLE:
         sys.exit("this Triton has no Gluon")
     for arg in sys.argv[1:] or ["12288", "16384"]:
-        for residual in (False, True)[: 2 if int(arg) <= config.BWD_SMEM_RESIDUAL_MAX_COLS else 1]:
-            regs, stack, shared = compile_width(int(arg), residual=residual)
-            print(f"n={arg} residual={residual} "
-                  f"layout={config.bwd_smem_layout(int(arg), residual)} regs={regs} "
+        for dtype, residual in (("bf16", False), ("bf16", True), ("fp16", False)):
+            if residual and int(arg) > config.BWD_SMEM_RESIDUAL_MAX_COLS:
+                continue
+            regs, stack, shared = compile_width(int(arg), dtype, residual)
+            w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+            layout = config.bwd_smem_layout(int(arg), residual, w)
+            print(f"dtype={dtype} n={arg} residual={residual} "
+                  f"layout={layout} "
+                  f"dw_regs={config.bwd_smem_dw_regs(residual, w, layout[1])} regs={regs} "
                   f"stack={stack} shared={shared}")  # fmt: skip

@@ -738,8 +738,9 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_layout(12288, True) == (16384, 4096, 2)
     assert config.bwd_smem_layout(16384, True) == (16384, 0, 2)
     # dW in registers, the weight in shared memory: with dresidual_out, or bf16 weights
-    assert config.bwd_smem_dw_regs(True, torch.float16) and config.bwd_smem_dw_regs(False)
-    assert not config.bwd_smem_dw_regs(False, torch.float16)
+    assert config.bwd_smem_dw_regs(True, torch.float16, 0) and config.bwd_smem_dw_regs(False)
+    assert not config.bwd_smem_dw_regs(False, torch.float16, 0)  # one block, fp16 weights
+    assert config.bwd_smem_dw_regs(False, torch.float16, 4096)  # 8192 + a tail
     assert config.bwd_smem_layout(16384, False, torch.float16) == (16384, 0, 2)
     # Where the rule takes dresidual_out (up to BWD_SMEM_RESIDUAL_MAX_COLS) it is staged too,
     # beside the weight (16-bit) where dW is in registers, else beside the fp32 partial dW.
@@ -751,7 +752,7 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
         block, tail, stages = config.bwd_smem_layout(n, dres_out)
         held = block // 2 + tail if tail else block
         assert held >= n and stages >= 2
-        fixed = 2 if config.bwd_smem_dw_regs(dres_out) else 4
+        fixed = 2 if config.bwd_smem_dw_regs(dres_out, torch.bfloat16, tail) else 4
         assert held * (fixed + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
 
 
@@ -826,9 +827,10 @@ def _smem_plan_cases(n, launched):
 def test_smem_kernel_compiles_for_sm90():
     """The Gluon kernel compiles for an H100/H200 (sm_90) with this Triton, offline
     (scripts/compile_smem.py, in a process without the interpreter: there is no Gluon under
-    it, so this is what CI can check of the kernel), for LayerNorm with a bias alone and for
-    dropout + add + LayerNorm with prenorm at both layouts (a whole 16384 row; 8192 + a 4096
-    tail), within the shared memory a Hopper block may take."""
+    it, so this is what CI can check of the kernel), for LayerNorm with a bias alone (dW in
+    registers; fp16 at 16384: in shared memory) and for dropout + add + LayerNorm with prenorm at
+    both layouts (a whole 16384 row; 8192 + a 4096 tail), within the shared memory a Hopper
+    block may take."""
     import os
     import re
     import subprocess
@@ -844,10 +846,16 @@ def test_smem_kernel_compiles_for_sm90():
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    for n, residual in ((12288, False), (12288, True), (16384, False), (16384, True)):
-        block, tail, stages = config.bwd_smem_layout(n, residual)
-        shared = int(re.search(rf"n={n} residual={residual} .* shared=(\d+)", out.stdout).group(1))
+    for n, dtype, residual in itertools.product((12288, 16384), ("bf16", "fp16"), (False, True)):
+        if dtype == "fp16" and residual:
+            continue
+        w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        block, tail, stages = config.bwd_smem_layout(n, residual, w)
+        line = re.search(rf"dtype={dtype} n={n} residual={residual} .*", out.stdout).group(0)
+        shared = int(re.search(r"shared=(\d+)", line).group(1))
         held = block // 2 + tail if tail else block
-        fixed = 2 if config.bwd_smem_dw_regs(residual) else 4  # the weight, or dW (fp32)
-        staged = held * (fixed + 2 * stages * (3 if residual else 2))
+        dw_regs = config.bwd_smem_dw_regs(residual, w, tail)  # the weight, or dW (fp32), beside
+        assert f"dw_regs={dw_regs}" in line
+        assert dw_regs == (residual or dtype == "bf16" or n == 12288)
+        staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
