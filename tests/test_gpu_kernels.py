@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _helpers import Case, assert_bitwise_equal, call_fused, check_case, make_inputs
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.gpu
@@ -369,6 +369,10 @@ def _fresh_plans():
     zero_centered_weight=st.booleans(),
     rows=st.sampled_from([1, 7, 133, 401]),
 )
+# Both places of partial dW (config.bwd_smem_dw_regs): fp16 weights keep it in shared memory on
+# one-block rows, in registers on 8192 + a tail.
+@example(n=16384, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=133)
+@example(n=12288, dtype=FP16, is_rms_norm=False, zero_centered_weight=False, rows=401)
 def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centered_weight, rows):
     """The backward that keeps partial dW in shared memory (smem_kernels, chosen by
     config.bwd_smem_partials for a norm of x alone with a weight and a bias, 16-bit, 10K-16K
@@ -382,6 +386,11 @@ def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centere
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
     check_case(case, "fn", device="cuda")
     assert _smem_plans() == [True]
+    if dtype == FP16 and n in (12288, 16384):
+        from fused_norm import ops
+
+        (plan,) = ops._BWD_PLANS.values()
+        assert plan.kplan[0]["DW_REGS"] == (n == 12288)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
