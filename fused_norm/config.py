@@ -838,8 +838,8 @@ def bwd_smem_partials(
     Further: two partials (the weight's and the bias's), 16-bit rows (``elem_bytes``) and
     weights (not ``w4``), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row
     strides of multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA
-    GPU of compute capability 9 or more whose blocks may take Hopper's shared memory. The kernel is Gluon's: never under the
-    interpreter."""
+    GPU of compute capability 9 or more whose blocks may take Hopper's shared memory. The
+    kernel is Gluon's: never under the interpreter."""
     residual = BWD_SMEM_RESIDUAL and n_cols <= BWD_SMEM_RESIDUAL_MAX_COLS
     if not (kind == "plain" or (kind == "residual" and residual)):
         return False
@@ -858,9 +858,7 @@ def bwd_smem_partials(
 BWD_SMEM_DW_REGS = "measured"
 
 
-def bwd_smem_dw_regs(
-    dres_out: bool, weight_dtype: torch.dtype = torch.bfloat16, tail: int = 1
-) -> bool:  # fmt: skip
+def bwd_smem_dw_regs(dres_out: bool, weight_dtype: torch.dtype, tail: int) -> bool:
     """Whether smem_kernels' backward keeps partial dW in registers and the weight in shared
     memory (BWD_SMEM_DW_REGS): under "measured", rows with dresidual_out staged (the three
     staged rows fit 2 deep at 16384 columns only beside the 16-bit weight, not beside the

@@ -165,17 +165,15 @@ if AVAILABLE:
             r_buf = gl.allocate_shared_memory(DRES_OUT.dtype.element_ty, [STAGES, PART_N], shared)
         if DW_REGS:
             dw_acc = gl.zeros([PART_N], gl.float32, layout)
-        else:
-            dw_acc = gl.allocate_shared_memory(
-                gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
-            )
-        db = gl.zeros([PART_N], gl.float32, layout)
-        if DW_REGS:
             wf = gl.allocate_shared_memory(
                 W.dtype.element_ty, [PART_N], shared, gl.load(W + cols, mask=cols < N, other=0.0)
             )
         else:
+            dw_acc = gl.allocate_shared_memory(
+                gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
+            )
             wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+        db = gl.zeros([PART_N], gl.float32, layout)
         return cols, s_buf, dy_buf, r_buf, dw_acc, db, wf
 
     @gluon.jit

@@ -7,8 +7,8 @@ out, x's dropout):
     python scripts/compile_smem.py 12288 16384
 
 (bf16 and, for a norm of x alone, fp16 rows and weights: fp16 weights of one-block rows keep
-partial dW in shared memory; dropout + add + LayerNorm only up to config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is
-chosen.)
+partial dW in shared memory; dropout + add + LayerNorm only up to
+config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is chosen.)
 
 Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
 are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.
@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from fused_norm import config, ops, smem_kernels  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
@@ -40,8 +41,9 @@ def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # What the launcher passes.
-    wdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    constexprs = ops.smem_flags(n, 2, False, True, False, residual, residual, residual, wdtype)
+    constexprs = ops.smem_flags(
+        n, 2, False, True, False, residual, residual, residual, DTYPES[dtype]
+    )
     warps = constexprs["NUM_WARPS"]
     names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS stride_s_row stride_dy_row "
              "stride_dres_out_row stride_dx_row stride_dres_row stride_part M N "
@@ -81,9 +83,7 @@ if __name__ == "__main__":
             if residual and int(arg) > config.BWD_SMEM_RESIDUAL_MAX_COLS:
                 continue
             regs, stack, shared = compile_width(int(arg), dtype, residual)
-            w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-            layout = config.bwd_smem_layout(int(arg), residual, w)
-            print(f"dtype={dtype} n={arg} residual={residual} "
-                  f"layout={layout} "
-                  f"dw_regs={config.bwd_smem_dw_regs(residual, w, layout[1])} regs={regs} "
-                  f"stack={stack} shared={shared}")  # fmt: skip
+            layout = config.bwd_smem_layout(int(arg), residual, DTYPES[dtype])
+            dw_regs = config.bwd_smem_dw_regs(residual, DTYPES[dtype], layout[1])
+            print(f"dtype={dtype} n={arg} residual={residual} layout={layout} "
+                  f"dw_regs={dw_regs} regs={regs} stack={stack} shared={shared}")  # fmt: skip

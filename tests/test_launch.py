@@ -700,7 +700,7 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
     the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
     and another as 8192 + a power-of-two tail, staged as deep as shared memory allows beside
-    the partial dW (or, with a dresidual_out staged, the weight: bwd_smem_dw_regs)."""
+    the partial dW or, where bwd_smem_dw_regs keeps dW in registers, the weight."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(config, "_smem_ok", lambda index: True)
     monkeypatch.setattr(config, "INTERPRETED", False)
@@ -720,12 +720,10 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
         assert not config.bwd_smem_partials(**{**ok, **change}), change
     assert config.bwd_smem_partials(**{**ok, "n_cols": 16384})
     assert config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 16384})
-    monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL_MAX_COLS", 12288)
-    assert not config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 12304})
-    assert config.bwd_smem_partials(**{**ok, "n_cols": 12304})
-    monkeypatch.undo()
-    monkeypatch.setattr(config, "_smem_ok", lambda index: True)
-    monkeypatch.setattr(config, "INTERPRETED", False)
+    with monkeypatch.context() as mp:
+        mp.setattr(config, "BWD_SMEM_RESIDUAL_MAX_COLS", 12288)
+        assert not config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 12304})
+        assert config.bwd_smem_partials(**{**ok, "n_cols": 12304})
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
     assert not config.bwd_smem_partials(**{**ok, "kind": "residual"})
     assert config.bwd_smem_partials(**ok)
@@ -738,7 +736,8 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_layout(12288, True) == (16384, 4096, 2)
     assert config.bwd_smem_layout(16384, True) == (16384, 0, 2)
     # dW in registers, the weight in shared memory: with dresidual_out, or bf16 weights
-    assert config.bwd_smem_dw_regs(True, torch.float16, 0) and config.bwd_smem_dw_regs(False)
+    assert config.bwd_smem_dw_regs(True, torch.float16, 0)
+    assert config.bwd_smem_dw_regs(False, torch.bfloat16, 0)
     assert not config.bwd_smem_dw_regs(False, torch.float16, 0)  # one block, fp16 weights
     assert config.bwd_smem_dw_regs(False, torch.float16, 4096)  # 8192 + a tail
     assert config.bwd_smem_layout(16384, False, torch.float16) == (16384, 0, 2)
@@ -759,9 +758,8 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
     """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
     smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
-    x's dropout;
-    kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1 and its
-    second output, no bias). Before this rule, rowscale and layerscale took the Gluon kernel,
+    x's dropout; kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1
+    and its second output, no bias). Before this rule, rowscale and layerscale took the Gluon kernel,
     which ignored them."""
     from fused_norm import smem_kernels
 
