@@ -209,7 +209,8 @@ def plan_desc(mode: str, evict: str) -> str:
     block, chunks, tail, smem, warps = plans[0].layout
     flags, _, maxnreg, _, _ = plans[0].kplan
     if smem:
-        return f"smem warps={warps} block={block} tail={tail} stages={flags['STAGES']}"
+        return (f"smem warps={warps} block={block} tail={tail} stages={flags['STAGES']} "
+                f"split={flags['SPLIT']}")  # fmt: skip
     return (f"warps={warps} rows={flags['TILE_ROWS']} wps={config.BWD_WARPS_PER_SM} "
             f"block={block}x{chunks} stages={flags['ROW_STAGES']} maxnreg={maxnreg} "
             f"tail={tail} exchange={flags['EXCHANGE']}")  # fmt: skip

@@ -821,29 +821,98 @@ BWD_SMEM_MAX_STAGES = 2
 BWD_SMEM_BYTES = 227 * 1024 - 2048
 
 
+# Rows that do not fit one such program (16-bit rows wider than BWD_SMEM_MAX_COLS, rows of
+# 4-byte elements) are cut into ``split`` slices of a power of two columns, one program each
+# (bwd_smem_slices, smem_kernels' SPLIT), which exchange their partial row sums through int64
+# words as kernels.py's EXCHANGE does: LayerNorm alone of 16-bit rows at 32K-256K columns
+# (16K-column slices) and of fp32 rows at 16K-128K (8K), dropout + add + LayerNorm of 4-byte
+# residual streams at 16384 (two 8K slices, BWD_SMEM_RESIDUAL_MAX_SPLIT). From
+# BWD_SMEM_LAG_MIN_SPLIT slices on, a program publishes its sums a row ahead (LAG, 3 rows
+# staged). Graph replay, H200, 2026-11-25 (bench/NOTES.md #74), backward, % of copy, the
+# current path -> slices: LayerNorm bf16 32K 65.1 -> 77.1 (2 slices; with LAG 73.4), 48K 61.9 ->
+# 74.1, 64K 64.3 -> 75.6 (without LAG 71.5), 128K 57.8 -> 70.7, 256K 58.5 -> 64.9 (without LAG
+# 44.8); fp16 64K 66.2 -> 72.0, 256K 59.5 -> 64.3; fp32 16384 79.3 -> 90.2 (4 contiguous fp32
+# per thread, BWD_SMEM_FP32_VEC: 8 gave 68.5), 64K 79.5 -> 82.4; dropout + add + LayerNorm, bf16
+# rows with an fp32 stream, 16384 73.8-74.3 -> 75.3-76.3, fp32 rows even (68.8-69.7 -> 67.2-69.5).
+# Not taken, measured slower: slices staging under BWD_SMEM_SLICE_MIN_BYTES of a row (16-bit
+# 4K / 8K slices, fp32 4K: LayerNorm 20480 63.9 -> 36.9, 32K in 8K slices 60.6, fp32 12288
+# 78.1 -> 68.2), more than BWD_SMEM_MAX_SPLIT slices (fp32 256K 59.8 -> 53.2), 16-bit dropout +
+# add + LayerNorm (16K slices spill, 68 -> 44; 8K slices with LAG 62-63, 256K 44).
+BWD_SMEM_SPLIT = True
+BWD_SMEM_SPLIT_MAX_COLS = 262144
+BWD_SMEM_SLICE_MAX = 16384
+BWD_SMEM_SLICE_MIN_BYTES = 65536
+BWD_SMEM_MAX_SPLIT = 16
+BWD_SMEM_LAG_MIN_SPLIT = 3
+BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
+# Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets).
+BWD_SMEM_FP32_VEC = 4
+
+
 def bwd_smem_width(n_cols: int) -> bool:
     """Whether rows of ``n_cols`` columns are of a width bwd_smem_partials may choose (the
     launcher then also asks whether the row tensors are 16-byte aligned)."""
-    return BWD_SMEM_MIN_COLS <= n_cols <= BWD_SMEM_MAX_COLS and n_cols % 16 == 0
+    widest = BWD_SMEM_SPLIT_MAX_COLS if BWD_SMEM_SPLIT else BWD_SMEM_MAX_COLS
+    return BWD_SMEM_MIN_COLS <= n_cols <= widest and n_cols % 16 == 0
+
+
+def bwd_smem_sliced(n_cols: int, elem_bytes: int) -> bool:
+    """Whether smem_kernels' backward takes rows of ``n_cols`` columns of ``elem_bytes``-byte
+    elements (the widest of the row tensors) in slices (bwd_smem_slices) rather than whole."""
+    return n_cols > BWD_SMEM_MAX_COLS or elem_bytes > 2
+
+
+def bwd_smem_slices(
+    n_cols: int, staged_bytes: int, weight_bytes: int
+) -> tuple[int, int, int, bool] | None:
+    """(slice, split, stages, lag) of a sliced row (bwd_smem_sliced): the widest power of two
+    of columns, at most BWD_SMEM_SLICE_MAX, that divides the row into ``split`` slices (2 to
+    BWD_SMEM_MAX_SPLIT) whose rows, ``staged_bytes`` per column (s, dy and any dresidual_out),
+    fit ``stages`` deep beside the slice's weight (``weight_bytes`` per column; partial dW in
+    registers): 2 rows, or with ``lag`` (BWD_SMEM_LAG_MIN_SPLIT slices or more: the sums
+    published a row ahead, smem_kernels' LAG) 3. A slice stages at least
+    BWD_SMEM_SLICE_MIN_BYTES of each row. None where no slice does all that."""
+    width = BWD_SMEM_SLICE_MAX
+    while width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES:
+        split = n_cols // width
+        lag = split >= BWD_SMEM_LAG_MIN_SPLIT
+        stages = 3 if lag else 2
+        fits = width * (weight_bytes + stages * staged_bytes) <= BWD_SMEM_BYTES
+        if n_cols % width == 0 and fits:
+            return (width, split, stages, lag) if 2 <= split <= BWD_SMEM_MAX_SPLIT else None
+        width //= 2
+    return None
 
 
 def bwd_smem_partials(
     n_cols: int, elem_bytes: int, partials: int, kind: str | None, device: torch.device,
-    w4: bool, aligned: bool,
+    w4: bool, aligned: bool, staged_bytes: int = 0,
 ) -> bool:  # fmt: skip
     """Whether the backward runs smem_kernels' kernel. ``kind`` is what the kernel must do
     beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
-    x's dropout: taken where BWD_SMEM_RESIDUAL, up to BWD_SMEM_RESIDUAL_MAX_COLS) or None
-    (anything the kernel does not do: x1's gradient or second output, rowscale, layerscale).
-    Further: two partials (the weight's and the bias's), 16-bit rows (``elem_bytes``) and
-    weights (not ``w4``), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row
-    strides of multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA
-    GPU of compute capability 9 or more whose blocks may take Hopper's shared memory. The
-    kernel is Gluon's: never under the interpreter."""
-    residual = BWD_SMEM_RESIDUAL and n_cols <= BWD_SMEM_RESIDUAL_MAX_COLS
-    if not (kind == "plain" or (kind == "residual" and residual)):
+    x's dropout: taken where BWD_SMEM_RESIDUAL) or None (anything the kernel does not do: x1's
+    gradient or second output, rowscale, layerscale). Further: two partials (the weight's and
+    the bias's), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of
+    multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of
+    compute capability 9 or more whose blocks may take Hopper's shared memory; and either whole
+    rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and parameters (not
+    ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or rows in slices
+    (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes`` per column, by
+    default three or two rows of the widest element): of x alone, or with a residual of 4-byte
+    elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters.
+    The kernel is Gluon's: never under the interpreter."""
+    if not (BWD_SMEM_PARTIALS and partials == 2 and kind in ("plain", "residual")):
         return False
-    if not (BWD_SMEM_PARTIALS and partials == 2 and elem_bytes == 2 and not w4):
+    if kind == "residual" and not BWD_SMEM_RESIDUAL:
+        return False
+    if bwd_smem_sliced(n_cols, elem_bytes):
+        staged_bytes = staged_bytes or (3 if kind == "residual" else 2) * elem_bytes
+        slices = bwd_smem_slices(n_cols, staged_bytes, 4 if w4 else 2)
+        if not BWD_SMEM_SPLIT or slices is None or (w4 and elem_bytes == 2):
+            return False
+        if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
+            return False
+    elif elem_bytes != 2 or w4 or (kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS):
         return False
     if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
         return False

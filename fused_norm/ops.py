@@ -384,6 +384,15 @@ def _bwd_launch(
     )  # fmt: skip
 
 
+def _staged_bytes(s, dy, dresidual_out) -> int:
+    """Bytes per column of the rows smem_kernels' backward stages: s, dy and dresidual_out."""
+    return (
+        s.element_size()
+        + dy.element_size()
+        + (0 if dresidual_out is None else dresidual_out.element_size())
+    )
+
+
 def _aligned16(t) -> bool:
     """Whether a 2-D tensor's address is 16-byte aligned and its row stride a multiple of 16
     elements (what Triton specialises a kernel on: config.bwd_smem_partials)."""
@@ -527,6 +536,7 @@ def _bwd_kernel_plan(
         flags = smem_flags(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
             dresidual_out is not None, dresidual is not None, dropout_p > 0.0, weight_dtype,
+            _staged_bytes(s, dy, dresidual_out) if num_chunks > 1 else 0,
         )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -552,15 +562,22 @@ def _bwd_kernel_plan(
 
 def smem_flags(
     n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
-    store_dres=False, dropout=False, weight_dtype=torch.bfloat16,
+    store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0,
 ) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
-    elements (config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
+    elements (s's; config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
     compiles what this gives): with ``has_dres_out`` a gradient of the residual stream comes
     in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped;
-    ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs)."""
-    block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
+    ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs).
+    ``sliced_bytes`` > 0: the row is taken in slices (config.bwd_smem_slices), its staged rows
+    that many bytes per column; partial dW then in registers, the weight in shared memory."""
     warps = config.BWD_SMEM_WARPS
+    if sliced_bytes:
+        block_n, split, stages, lag = config.bwd_smem_slices(n, sliced_bytes, weight_dtype.itemsize)
+        tail, dw_regs = 0, True
+    else:
+        block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
+        split, lag, dw_regs = 1, False, config.bwd_smem_dw_regs(has_dres_out, weight_dtype, tail)
     return dict(
         BLOCK_N=block_n // 2 if tail else block_n,
         TAIL_N=tail,
@@ -570,11 +587,15 @@ def smem_flags(
         STORE_DRESIDUAL=store_dres,
         HAS_DROPOUT=dropout,
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
-        DW_REGS=config.bwd_smem_dw_regs(has_dres_out, weight_dtype, tail),
+        DW_REGS=dw_regs,
         STAGES=stages,
-        VEC=16 // elem_bytes,
+        # 16 bytes of a 16-bit row; whole Philox octets (smem_kernels._keep)
+        VEC=8 if dropout or elem_bytes == 2 else config.BWD_SMEM_FP32_VEC,
         TAIL_VEC=max(tail // (32 * warps), 1),
         NUM_WARPS=warps,
+        SPLIT=split,
+        SPLIT_P2=config.next_power_of_2(split),
+        LAG=lag,
     )
 
 
@@ -617,11 +638,11 @@ def _bwd_run(
     red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if smem:
         args = (
-            s, weight, mean, rstd, dy, dresidual_out, seeds, dx, dresidual, parts, s.stride(0),
-            dy.stride(0), _stride0(dresidual_out), dx.stride(0), _stride0(dresidual),
-            programs * n, m, n, config.cdiv(m, programs), dropout_p,
+            s, weight, mean, rstd, dy, dresidual_out, seeds, dx, dresidual, parts, c12,
+            s.stride(0), dy.stride(0), _stride0(dresidual_out), dx.stride(0),
+            _stride0(dresidual), programs * n, m, n, config.cdiv(m, programs), dropout_p,
         )  # fmt: skip
-        (_SMEM.warm if warm else _SMEM)((programs,), dev, args, flags, warps)
+        (_SMEM.warm if warm else _SMEM)((programs * num_chunks,), dev, args, flags, warps)
         (_RED.warm if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     if sums is not None:
@@ -717,10 +738,16 @@ def _bwd_make_plan(
     kind = None
     if not own_dx1 and dy1 is None and rowscale is None and layerscale is None:
         kind = "plain" if plain else "residual"
-    smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned)
-    if smem:  # one program per SM (its shared memory), the row held whole
-        block_n, tail, _ = config.bwd_smem_layout(n)  # (staging depth: smem_flags)
-        num_chunks, warps, exchange = 1, config.BWD_SMEM_WARPS, False
+    staged = _staged_bytes(s, dy, dresidual_out)
+    smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned, staged)
+    if smem:  # one program per SM (its shared memory), the row held whole or in slices
+        warps = config.BWD_SMEM_WARPS
+        if config.bwd_smem_sliced(n, elem_bytes):  # slices exchanging their row sums
+            block_n, num_chunks, _, _ = config.bwd_smem_slices(n, staged, weight.element_size())
+            tail, exchange = 0, True
+        else:
+            block_n, tail, _ = config.bwd_smem_layout(n)  # (staging depth: smem_flags)
+            num_chunks, exchange = 1, False
     else:
         block_n, num_chunks, tail, warps, exchange = config.bwd_launch_layout(
             n, elem_bytes, partials, dropout, plain, dev, w4, dy1 is not None

@@ -1,6 +1,7 @@
-"""The backward of one-block rows that keeps a program's partial weight gradient in shared
-memory: a Gluon kernel (Triton's lower-level language, where a kernel allocates and addresses
-shared memory itself; ``triton.experimental.gluon``).
+"""The backward of LayerNorm-type rows held by one program per multiprocessor, or cut into
+slices whose programs exchange their row sums, the rows staged through shared memory: a Gluon
+kernel (Triton's lower-level language, where a kernel allocates and addresses shared memory
+itself; ``triton.experimental.gluon``).
 
 Why: the Triton backward (kernels.py) holds its fp32 partial dW and dB in registers. A row of
 16384 16-bit columns with both (LayerNorm with a bias) then needs 128 KB of registers for the
@@ -15,6 +16,14 @@ in registers as fp32, or (DW_REGS, config.bwd_smem_dw_regs: where three rows are
 for all but fp16 weights of one-block rows) dW in registers with the weight in shared memory as
 stored (#72). Partials are written as the
 Triton kernel writes them (one (programs, N) fp32 slab per gradient), for the same sum kernel.
+
+Rows that do not fit one program (16-bit rows wider than 16384 columns, rows of 4-byte elements;
+config.bwd_smem_slices) are cut into SPLIT slices, one program each, the SPLIT consecutive
+programs of a row block taking the same rows: each publishes its slice's partial row sums of a
+row as one int64 word (kernels._pack_sums, as kernels.py's EXCHANGE) and adds the row's SPLIT
+words once all are there; partial dW is kept in registers, the weight in shared memory. With
+LAG (many slices) a program publishes the next row's sums before it waits for this row's, so
+that the words it waits for came a row earlier (#74).
 
 With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
 dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in, staged
@@ -49,7 +58,7 @@ if AVAILABLE:
     AVAILABLE = _barrier is not None and _async_load is not None
 
 if AVAILABLE:
-    from .kernels import _keeps, _octet_bits
+    from .kernels import _keeps, _octet_bits, _pack_sums
 
     @gluon.jit
     def _stage(PTR, buf, tbuf, slot, r, live, cols, tcols, N, stride_row, TAIL_N: gl.constexpr):
@@ -190,6 +199,45 @@ if AVAILABLE:
             gl.store(part + slab + cols, db, mask=cols < N)
 
     @gluon.jit
+    def _publish_sums(WS, row, p1, p2, part, SPLIT: gl.constexpr):
+        """Publish this program's (slice ``part``) partial row sums p1, p2 of ``row`` as one
+        word (kernels._pack_sums) in WS[row, part]."""
+        gl.atomic_xchg(WS + row * SPLIT + part, _pack_sums(p1, p2), sem="relaxed")
+
+    @gluon.jit
+    def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """The row sums of ``row`` over its SPLIT slices: read the row's words until all are
+        published and add them. Every thread polls and adds its own copy of the words, in
+        slice order (no barrier in the loop, and every program of the row gets the same sums,
+        bitwise)."""
+        words: gl.constexpr = gl.BlockedLayout([SPLIT_P2], [32], [NUM_WARPS], [0])
+        parts = gl.arange(0, SPLIT_P2, layout=words)
+        ptrs = WS + row * SPLIT + parts
+        mask = parts < SPLIT
+        bits = gl.load(ptrs, mask=mask, other=0, volatile=True).to(gl.uint64, bitcast=True)
+        missing = gl.sum(((bits >> 32) == 0xFFFFFFFF).to(gl.int32), axis=0)
+        while missing > 0:
+            bits = gl.load(ptrs, mask=mask, other=0, volatile=True).to(gl.uint64, bitcast=True)
+            missing = gl.sum(((bits >> 32) == 0xFFFFFFFF).to(gl.int32), axis=0)
+        c1 = gl.sum((bits & 0xFFFFFFFF).to(gl.uint32).to(gl.float32, bitcast=True), axis=0)
+        c2 = gl.sum((bits >> 32).to(gl.uint32).to(gl.float32, bitcast=True), axis=0)
+        return c1, c2
+
+    @gluon.jit
+    def _slice_sums(s_buf, dy_buf, slot, layout: gl.constexpr, wf, mean, rstd,
+                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
+                    IS_RMS_NORM: gl.constexpr):  # fmt: skip
+        """A slice's partial row sums (sum(xhat * wdy), sum(wdy)) of the staged row in ``slot``;
+        RMSNorm has no second: the first fills its place (a word's other half, unread)."""
+        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
+                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
+        p1 = gl.sum(xhat * wdy, axis=0)
+        p2 = p1
+        if not IS_RMS_NORM:
+            p2 = gl.sum(wdy, axis=0)
+        return p1, p2
+
+    @gluon.jit
     def _bwd_smem_kernel(
         S,         # (M, N) the normalised pre-norm sum
         W,         # (N,) weight (16-bit)
@@ -201,6 +249,7 @@ if AVAILABLE:
         DX,        # (M, N) grad of x
         DRES,      # (M, N) grad of the residual (if STORE_DRESIDUAL)
         PARTS,     # fp32 partial dW, then dB (if HAS_BIAS): one (P, N) slab each, stride_part apart
+        WS,        # SPLIT > 1: (M, SPLIT) int64 words of the slices' partial row sums, -1 until published
         stride_s_row, stride_dy_row, stride_dres_out_row, stride_dx_row, stride_dres_row,
         stride_part,
         M, N,
@@ -219,16 +268,27 @@ if AVAILABLE:
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
         TAIL_VEC: gl.constexpr,      # and in the tail (1 where there is none)
         NUM_WARPS: gl.constexpr,     # the launch's num_warps
+        SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N columns each (TAIL_N 0)
+        SPLIT_P2: gl.constexpr = 1,  # SPLIT rounded up to a power of two
+        LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
         # the same columns, so the partials in shared memory are private to a thread.
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         tail_layout: gl.constexpr = gl.BlockedLayout([TAIL_VEC], [32], [NUM_WARPS], [0])
+        # With SPLIT > 1 the SPLIT consecutive programs of a row block take one slice of its
+        # rows each and exchange their partial row sums (_exchanged_sums); they wait only on
+        # each other, and with one program per SM and a grid of at most one per SM
+        # (ops), all are resident at once.
+        gl.static_assert(SPLIT == 1 or TAIL_N == 0, "a sliced row has no tail")
         pid = gl.program_id(0)
-        row_start = pid.to(gl.int64) * rows_per_program
+        blk = pid // SPLIT
+        part = pid % SPLIT
+        col0 = part * BLOCK_N
+        row_start = blk.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, dw_acc, db, wf = _part_setup(
-            S, DY, DRES_OUT, W, 0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, DW_REGS,
+            S, DY, DRES_OUT, W, col0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, DW_REGS,
             ZERO_CENTERED_WEIGHT,
         )  # fmt: skip
         if TAIL_N > 0:
@@ -247,61 +307,111 @@ if AVAILABLE:
         mean = 0.0
         if not IS_RMS_NORM:
             mean = gl.load(MEAN + row_start, mask=row_start < M, other=0.0)
-        for row in range(row_start, row_end):
-            i = (row - row_start).to(gl.int32)
-            _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                       (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
-                       stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
-                       HAS_DRESIDUAL_OUT)  # fmt: skip
-            # The next row's statistics, one row ahead (the last row reads its own again).
-            nxt = gl.minimum(row + 1, last)
-            rstd_next = gl.load(RSTD + nxt)
-            mean_next = 0.0
-            if not IS_RMS_NORM:
-                mean_next = gl.load(MEAN + nxt)
-            _async_copy.wait_group(STAGES - 1)  # this row's copies have landed
+        if LAG:
+            # The slices publish their sums one row ahead: pass 1 of the next row, then pass 2
+            # of this one, whose words came a whole row earlier (rows r, r + 1 staged and
+            # r + 2.. in flight: STAGES >= 3).
+            gl.static_assert(SPLIT > 1 and STAGES >= 3, "LAG: a sliced row, 3 stages or more")
+            _async_copy.wait_group(STAGES - 2)  # the first row has landed
             _barrier()
-            slot = i % STAGES
-            # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
-            xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
-                                        ZERO_CENTERED_WEIGHT)  # fmt: skip
-            c1 = gl.sum(xhat * wdy, axis=0)
-            c2 = 0.0
-            if not IS_RMS_NORM:
-                c2 = gl.sum(wdy, axis=0)
-            if TAIL_N > 0:
-                xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
-                                            DW_REGS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-                c1 += gl.sum(xhat * wdy, axis=0)
+            if row_start < row_end:
+                p1, p2 = _slice_sums(s_buf, dy_buf, 0, layout, wf, mean, rstd, DW_REGS,
+                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                _publish_sums(WS, row_start, p1, p2, part, SPLIT)
+            for row in range(row_start, row_end):
+                i = (row - row_start).to(gl.int32)
+                # Into the slot of the row before, done last time round.
+                _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                           (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
+                           stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
+                           HAS_DRESIDUAL_OUT)  # fmt: skip
+                nxt = gl.minimum(row + 1, last)
+                rstd_next = gl.load(RSTD + nxt)
+                mean_next = 0.0
                 if not IS_RMS_NORM:
-                    c2 += gl.sum(wdy, axis=0)
-            c1 = c1 / N
-            c2 = c2 / N
-            # Pass 2 reads the staged row again rather than holding pass 1's values across
-            # the sums (the barrier keeps the two reads apart): registers, not bandwidth,
-            # limit a program of 16384 columns.
-            _barrier()
-            dw_acc, db = _part_grads(
-                s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
-                0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
-                NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
-                HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
-            )  # fmt: skip
-            if TAIL_N > 0:
-                tdw_acc, tdb = _part_grads(
-                    ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
-                    DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
-                    stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
-                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
-                    ZERO_CENTERED_WEIGHT,
+                    mean_next = gl.load(MEAN + nxt)
+                _async_copy.wait_group(STAGES - 2)  # the next row's copies have landed
+                _barrier()
+                if row + 1 < row_end:
+                    p1, p2 = _slice_sums(s_buf, dy_buf, (i + 1) % STAGES, layout, wf, mean_next,
+                                         rstd_next, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                    _publish_sums(WS, row + 1, p1, p2, part, SPLIT)
+                c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
+                c1 = c1 / N
+                c2 = c2 / N
+                _barrier()
+                dw_acc, db = _part_grads(
+                    s_buf, dy_buf, r_buf, i % STAGES, layout, wf, mean, rstd, c1, c2, DX, DRES,
+                    SEEDS, row, col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc,
+                    db, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
+                    STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
-            _barrier()  # every thread is done with this slot before it is staged again
-            rstd = rstd_next
-            mean = mean_next
+                _barrier()  # every thread is done with this slot before it is staged again
+                rstd = rstd_next
+                mean = mean_next
+        else:
+            for row in range(row_start, row_end):
+                i = (row - row_start).to(gl.int32)
+                _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                           (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
+                           stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
+                           HAS_DRESIDUAL_OUT)  # fmt: skip
+                # The next row's statistics, one row ahead (the last row reads its own again).
+                nxt = gl.minimum(row + 1, last)
+                rstd_next = gl.load(RSTD + nxt)
+                mean_next = 0.0
+                if not IS_RMS_NORM:
+                    mean_next = gl.load(MEAN + nxt)
+                _async_copy.wait_group(STAGES - 1)  # this row's copies have landed
+                _barrier()
+                slot = i % STAGES
+                # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
+                xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
+                                            ZERO_CENTERED_WEIGHT)  # fmt: skip
+                c1 = gl.sum(xhat * wdy, axis=0)
+                c2 = 0.0
+                if not IS_RMS_NORM:
+                    c2 = gl.sum(wdy, axis=0)
+                if TAIL_N > 0:
+                    xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
+                                                DW_REGS, ZERO_CENTERED_WEIGHT)  # fmt: skip
+                    c1 += gl.sum(xhat * wdy, axis=0)
+                    if not IS_RMS_NORM:
+                        c2 += gl.sum(wdy, axis=0)
+                if SPLIT > 1:
+                    if IS_RMS_NORM:  # no c2: c1 fills the word's other half, unread
+                        _publish_sums(WS, row, c1, c1, part, SPLIT)
+                        c1, _c1 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
+                    else:
+                        _publish_sums(WS, row, c1, c2, part, SPLIT)
+                        c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
+                c1 = c1 / N
+                c2 = c2 / N
+                # Pass 2 reads the staged row again rather than holding pass 1's values across
+                # the sums (the barrier keeps the two reads apart): registers, not bandwidth,
+                # limit a program of 16384 columns.
+                _barrier()
+                dw_acc, db = _part_grads(
+                    s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
+                    col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
+                    NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
+                    HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                if TAIL_N > 0:
+                    tdw_acc, tdb = _part_grads(
+                        ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
+                        DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
+                        stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
+                        HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
+                        ZERO_CENTERED_WEIGHT,
+                    )  # fmt: skip
+                _barrier()  # every thread is done with this slot before it is staged again
+                rstd = rstd_next
+                mean = mean_next
         _async_copy.wait_group(0)
-        part = PARTS + pid.to(gl.int64) * N
+        dst = PARTS + blk.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)
-        _store_part_partials(part, slab, cols, N, dw_acc, db, layout, HAS_BIAS, DW_REGS)
+        _store_part_partials(dst, slab, cols, N, dw_acc, db, layout, HAS_BIAS, DW_REGS)
         if TAIL_N > 0:
-            _store_part_partials(part, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS,
+            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS,
                                  DW_REGS)  # fmt: skip

@@ -1,14 +1,15 @@
 """Compile smem_kernels' backward kernel for an H100/H200 (sm_90) on a machine without a GPU
 (Triton's compiler and the ptxas in its wheel need none), as the launcher would for LayerNorm
-with a bias of 16-bit rows, and print its registers, spills and shared memory per width, for
-a norm of x alone and for dropout + add + LayerNorm with prenorm (a residual gradient in and
-out, x's dropout):
+with a bias, and print its layout (block, tail, stages, slices), registers, spills and shared
+memory per width, for a norm of x alone and for dropout + add + LayerNorm with prenorm (a
+residual gradient in and out, x's dropout):
 
-    python scripts/compile_smem.py 12288 16384
+    python scripts/compile_smem.py 12288 16384 65536
 
-(bf16 and, for a norm of x alone, fp16 rows and weights: fp16 weights of one-block rows keep
-partial dW in shared memory; dropout + add + LayerNorm only up to
-config.BWD_SMEM_RESIDUAL_MAX_COLS, where it is chosen.)
+Rows of bf16, fp16 (a norm of x alone), fp32 and bf16 with an fp32 residual stream
+(``bf16_res32``), each where the launcher takes the kernel (config.bwd_smem_partials on a
+Hopper GPU): whole rows of 16-bit elements to 16384 columns, and rows in slices beyond that or
+of 4-byte elements (config.bwd_smem_slices).
 
 Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
 are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.
@@ -30,30 +31,65 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from fused_norm import config, ops, smem_kernels  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Row dtypes: (s and the residual's tensors, x's tensors and the weight).
+DTYPES = {
+    "bf16": ("bf16", "bf16"),
+    "fp16": ("fp16", "fp16"),
+    "fp32": ("fp32", "fp32"),
+    "bf16_res32": ("fp32", "bf16"),  # bf16 x and weight, an fp32 residual stream
+}
+TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def flags(n: int, dtype: str = "bf16", residual: bool = False) -> dict:
+    """The constexprs the launcher passes for rows of ``n`` columns of ``dtype`` (DTYPES), for a
+    norm of x alone or (``residual``) dropout + add + LayerNorm with prenorm."""
+    stream, xw = DTYPES[dtype]
+    s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
+    staged = s_bytes + x_bytes + (s_bytes if residual else 0)  # s, dy, dresidual_out
+    sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes))
+    return ops.smem_flags(
+        n, s_bytes, False, True, False, residual, residual, residual, TORCH[xw],
+        staged if sliced else 0,
+    )  # fmt: skip
+
+
+def takes(n: int, dtype: str = "bf16", residual: bool = False) -> bool:
+    """Whether the launcher takes smem_kernels' backward for such rows (config.bwd_smem_partials)
+    on a Hopper GPU that fits it."""
+    stream, xw = DTYPES[dtype]
+    s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
+    staged = s_bytes + x_bytes + (s_bytes if residual else 0)
+    config._nvidia = lambda device: True  # as on an H100 / H200
+    config._smem_ok = lambda index: True
+    return config.bwd_smem_partials(
+        n, max(s_bytes, x_bytes), 2, "residual" if residual else "plain", torch.device("cuda"),
+        x_bytes == 4, True, staged,
+    )  # fmt: skip
 
 
 def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
-    """(registers, stack bytes, shared bytes) of the kernel the launcher picks at ``n`` for rows
-    and weights of ``dtype`` ("bf16" or "fp16": where partial dW is kept depends on it,
+    """(registers, stack bytes, shared bytes, PTX) of the kernel the launcher picks at ``n``
+    for rows and weights of ``dtype`` (DTYPES; where partial dW is kept depends on it,
     config.bwd_smem_dw_regs), for a norm of x alone or (``residual``) dropout + add +
     LayerNorm with prenorm."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    # What the launcher passes.
-    constexprs = ops.smem_flags(
-        n, 2, False, True, False, residual, residual, residual, DTYPES[dtype]
-    )
+    stream, xw = DTYPES[dtype]
+    constexprs = flags(n, dtype, residual)
     warps = constexprs["NUM_WARPS"]
-    names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS stride_s_row stride_dy_row "
+    names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS WS stride_s_row stride_dy_row "
              "stride_dres_out_row stride_dx_row stride_dres_row stride_part M N "
              "rows_per_program dropout_p").split()  # fmt: skip
-    row = f"*{dtype}" if residual else "constexpr"  # absent tensors are None (constexprs)
-    types = [f"*{dtype}", f"*{dtype}", "*fp32", "*fp32", f"*{dtype}", row,
-             "*i64" if residual else "constexpr", f"*{dtype}", row, "*fp32"]  # fmt: skip
+    res = f"*{stream}" if residual else "constexpr"  # absent tensors are None (constexprs)
+    ws = "*i64" if constexprs["SPLIT"] > 1 else "constexpr"
+    types = [f"*{stream}", f"*{xw}", "*fp32", "*fp32", f"*{xw}", res,
+             "*i64" if residual else "constexpr", f"*{xw}", res, "*fp32", ws]  # fmt: skip
     sig = dict(zip(names, types + ["i32"] * 9 + ["fp32"]))
     sig.update({k: "constexpr" for k in constexprs})
     given = dict(constexprs)
+    if ws == "constexpr":
+        given.update(WS=None)
     if not residual:
         given.update(DRES_OUT=None, SEEDS=None, DRES=None)
         sig.update(stride_dres_out_row="constexpr", stride_dres_row="constexpr")
@@ -72,18 +108,20 @@ def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
                                text=True).stdout  # fmt: skip
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    return regs, stack, compiled.metadata.shared
+    return regs, stack, compiled.metadata.shared, compiled.asm["ptx"]
 
 
 if __name__ == "__main__":
     if not smem_kernels.AVAILABLE:
         sys.exit("this Triton has no Gluon")
     for arg in sys.argv[1:] or ["12288", "16384"]:
-        for dtype, residual in (("bf16", False), ("bf16", True), ("fp16", False)):
-            if residual and int(arg) > config.BWD_SMEM_RESIDUAL_MAX_COLS:
+        n = int(arg)
+        for dtype, residual in (("bf16", False), ("bf16", True), ("fp16", False),
+                                ("fp32", False), ("fp32", True), ("bf16_res32", True)):  # fmt: skip
+            if not takes(n, dtype, residual):
                 continue
-            regs, stack, shared = compile_width(int(arg), dtype, residual)
-            layout = config.bwd_smem_layout(int(arg), residual, DTYPES[dtype])
-            dw_regs = config.bwd_smem_dw_regs(residual, DTYPES[dtype], layout[1])
-            print(f"dtype={dtype} n={arg} residual={residual} layout={layout} "
-                  f"dw_regs={dw_regs} regs={regs} stack={stack} shared={shared}")  # fmt: skip
+            f = flags(n, dtype, residual)
+            regs, stack, shared, _ptx = compile_width(n, dtype, residual)
+            layout = (f["BLOCK_N"], f["TAIL_N"], f["STAGES"], f["SPLIT"])
+            print(f"dtype={dtype} n={arg} residual={residual} block,tail,stages,split={layout} "
+                  f"dw_regs={f['DW_REGS']} regs={regs} stack={stack} shared={shared}")  # fmt: skip

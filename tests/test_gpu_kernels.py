@@ -422,6 +422,77 @@ def test_gpu_smem_backward_residual_dropout_matches_reference(
     assert _smem_plans() == [True]
 
 
+def _smem_split() -> list:
+    """The slices per row (smem_kernels' SPLIT) of each backward plan made since the caches
+    were emptied; 0 for a plan of kernels.py's backward."""
+    from fused_norm import ops
+
+    return [plan.kplan[0]["SPLIT"] if plan.layout[3] else 0 for plan in ops._BWD_PLANS.values()]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([32768, 49152, 65536, 131072, 262144]),
+    dtype=st.sampled_from([BF16, FP16]),
+    is_rms_norm=st.booleans(),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 300]),
+)
+# Two slices (the sums exchanged in the row) and many (published a row ahead: LAG).
+@example(n=32768, dtype=BF16, is_rms_norm=False, zero_centered_weight=False, rows=133)
+@example(n=262144, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=7)
+def test_gpu_smem_sliced_backward_matches_reference(n, dtype, is_rms_norm, zero_centered_weight,
+                                                    rows):  # fmt: skip
+    """Rows wider than one program of smem_kernels' backward (16-bit, 16K-256K columns; a
+    norm of x alone with a weight and a bias) in slices, one program each, that exchange their
+    partial row sums (config.bwd_smem_slices: 16K-column slices, 2 to 16 of them, with LAG
+    from 3): every gradient against the fp64 reference, one row to several per program.
+    The test fails if the plan did not take the sliced kernel."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
+                zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    check_case(case, "fn", device="cuda")
+    (split,) = _smem_split()
+    assert split > 1
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([12288, 16384, 65536]),
+    residual=st.sampled_from(["none", "fp32", "fp32_stream"]),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 300]),
+    dropout_p=st.sampled_from([0.0, 0.1]),
+)
+@example(n=16384, residual="fp32_stream", zero_centered_weight=False, rows=133, dropout_p=0.1)
+@example(n=16384, residual="none", zero_centered_weight=False, rows=300, dropout_p=0.0)
+def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, rows, dropout_p):
+    """Rows of 4-byte elements in smem_kernels' sliced backward (config.bwd_smem_slices):
+    fp32 LayerNorm alone (16K-128K, 8K-column slices), and with dropout, or dropout + add +
+    LayerNorm with prenorm of fp32 rows or of bf16 rows with an fp32 residual stream
+    (``fp32_stream``), in two slices (16384); other widths take kernels.py's backward. Every
+    gradient against the fp64 reference; the test fails if the plan is not the one the rule
+    gives."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    if residual == "none":
+        case = Case(shape=(rows, n), dtype=FP32, zero_centered_weight=zero_centered_weight,
+                    dropout_p=dropout_p, seed=n + rows)  # fmt: skip
+    else:
+        case = Case(shape=(rows, n), dtype=FP32 if residual == "fp32" else BF16,
+                    residual_dtype=FP32, residual_in_fp32=True, dropout_p=dropout_p,
+                    prenorm=True, zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    # LayerNorm alone in 8K-column slices (12288 has none); with dropout or a residual in two
+    # slices only.
+    sliced = n == 16384 if residual != "none" or dropout_p > 0.0 else n != 12288
+    check_case(case, "fn", device="cuda")
+    (split,) = _smem_split()
+    assert (split > 1) == sliced, split
+
+
 SMEM_LACKS = {
     "rowscale": Case(shape=(37, 12288), dtype=BF16, rowscale=True, seed=3),
     "rowscale_dropout": Case(shape=(37, 16384), dtype=BF16, residual_dtype=BF16, rowscale=True,

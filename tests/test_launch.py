@@ -724,9 +724,40 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
         mp.setattr(config, "BWD_SMEM_RESIDUAL_MAX_COLS", 12288)
         assert not config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 12304})
         assert config.bwd_smem_partials(**{**ok, "n_cols": 12304})
+    # Rows in slices that exchange their row sums: LayerNorm alone of 16-bit rows in
+    # 16K-column slices (2 to 16), of 4-byte rows in 8K-column slices; with a residual only
+    # 4-byte rows in two slices; no slice staging less than 64 KB of a row, none but whole.
+    sliced = dict(ok, n_cols=32768)
+    for change in ({}, dict(n_cols=49152), dict(n_cols=262144), dict(n_cols=16384, elem_bytes=4,
+                   w4=True), dict(n_cols=131072, elem_bytes=4, w4=True),
+                   dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=12, w4=True),
+                   dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=10)):  # fmt: skip
+        assert config.bwd_smem_partials(**{**sliced, **change}), change
+    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True), dict(kind="residual"),
+                   dict(n_cols=12288, elem_bytes=4), dict(n_cols=262144, elem_bytes=4),
+                   dict(n_cols=65536, elem_bytes=4, kind="residual", staged_bytes=12),
+                   dict(aligned=False)):  # fmt: skip
+        assert not config.bwd_smem_partials(**{**sliced, **change}), change
+    assert config.bwd_smem_slices(32768, 4, 2) == (16384, 2, 2, False)
+    assert config.bwd_smem_slices(49152, 4, 2) == (16384, 3, 3, True)
+    assert config.bwd_smem_slices(262144, 4, 2) == (16384, 16, 3, True)
+    assert config.bwd_smem_slices(16384, 8, 4) == (8192, 2, 2, False)
+    assert config.bwd_smem_slices(16384, 12, 4) == (8192, 2, 2, False)
+    assert config.bwd_smem_slices(131072, 8, 4) == (8192, 16, 3, True)
+    for n, staged, weight in itertools.product(range(16384, 262145, 8192), (4, 6, 8, 10, 12),
+                                               (2, 4)):  # fmt: skip
+        slices = config.bwd_smem_slices(n, staged, weight)
+        if slices is not None:
+            width, split, stages, lag = slices
+            assert width * split == n and 2 <= split <= config.BWD_SMEM_MAX_SPLIT
+            assert width * staged >= config.BWD_SMEM_SLICE_MIN_BYTES
+            assert width * (weight + stages * staged) <= config.BWD_SMEM_BYTES
+            assert lag == (split >= config.BWD_SMEM_LAG_MIN_SPLIT) and stages == 2 + lag
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
     assert not config.bwd_smem_partials(**{**ok, "kind": "residual"})
     assert config.bwd_smem_partials(**ok)
+    monkeypatch.setattr(config, "BWD_SMEM_SPLIT", False)
+    assert not config.bwd_smem_partials(**sliced)
     monkeypatch.setattr(config, "INTERPRETED", True)
     assert not config.bwd_smem_partials(**ok)
     assert config.bwd_smem_layout(16384) == (16384, 0, 2)
@@ -827,8 +858,9 @@ def test_smem_kernel_compiles_for_sm90():
     (scripts/compile_smem.py, in a process without the interpreter: there is no Gluon under
     it, so this is what CI can check of the kernel), for LayerNorm with a bias alone (dW in
     registers; fp16 at 16384: in shared memory) and for dropout + add + LayerNorm with prenorm at
-    both layouts (a whole 16384 row; 8192 + a 4096 tail), within the shared memory a Hopper
-    block may take."""
+    both layouts (a whole 16384 row; 8192 + a 4096 tail), and for rows in slices (4-byte rows
+    at 16384, 16-bit and fp32 rows at 65536), within the shared memory a Hopper block may
+    take."""
     import os
     import re
     import subprocess
@@ -840,7 +872,8 @@ def test_smem_kernel_compiles_for_sm90():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, os.path.join(root, "scripts", "compile_smem.py"), "12288", "16384"],
+        [sys.executable, os.path.join(root, "scripts", "compile_smem.py"), "12288", "16384",
+         "65536"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
@@ -857,3 +890,14 @@ def test_smem_kernel_compiles_for_sm90():
         assert dw_regs == (residual or dtype == "bf16" or n == 12288)
         staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
+    # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536.
+    for n, dtype, residual, staged, weight in ((16384, "fp32", False, 8, 4),
+                                               (16384, "fp32", True, 12, 4),
+                                               (16384, "bf16_res32", True, 10, 2),
+                                               (65536, "bf16", False, 4, 2),
+                                               (65536, "fp32", False, 8, 4)):  # fmt: skip
+        width, split, stages, _ = config.bwd_smem_slices(n, staged, weight)
+        line = re.search(rf"dtype={dtype} n={n} residual={residual} .*", out.stdout).group(0)
+        assert f"block,tail,stages,split={(width, 0, stages, split)}" in line, line
+        shared = int(re.search(r"shared=(\d+)", line).group(1))
+        assert width * (weight + stages * staged) <= shared <= 227 * 1024, line
