@@ -227,8 +227,9 @@ if AVAILABLE:
     def _slice_sums(s_buf, dy_buf, slot, layout: gl.constexpr, wf, mean, rstd,
                     DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
                     IS_RMS_NORM: gl.constexpr):  # fmt: skip
-        """A slice's partial row sums (sum(xhat * wdy), sum(wdy)) of the staged row in ``slot``;
-        RMSNorm has no second: the first fills its place (a word's other half, unread)."""
+        """A part's partial row sums (sum(xhat * wdy), sum(wdy)) of the staged row in ``slot``
+        (a slice, a block or a tail); RMSNorm has no second: the first fills its place
+        (unread)."""
         xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
                                     ZERO_CENTERED_WEIGHT)  # fmt: skip
         p1 = gl.sum(xhat * wdy, axis=0)
@@ -277,8 +278,8 @@ if AVAILABLE:
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         tail_layout: gl.constexpr = gl.BlockedLayout([TAIL_VEC], [32], [NUM_WARPS], [0])
         # With SPLIT > 1 the SPLIT consecutive programs of a row block take one slice of its
-        # rows each and exchange their partial row sums (_exchanged_sums); they wait only on
-        # each other, and with one program per SM and a grid of at most one per SM
+        # rows each and exchange their partial row sums (_publish_sums, _wait_sums); they wait
+        # only on each other, and with one program per SM and a grid of at most one per SM
         # (ops), all are resident at once.
         gl.static_assert(SPLIT == 1 or TAIL_N == 0, "a sliced row has no tail")
         pid = gl.program_id(0)
@@ -366,25 +367,16 @@ if AVAILABLE:
                 _barrier()
                 slot = i % STAGES
                 # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
-                xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
-                                            ZERO_CENTERED_WEIGHT)  # fmt: skip
-                c1 = gl.sum(xhat * wdy, axis=0)
-                c2 = 0.0
-                if not IS_RMS_NORM:
-                    c2 = gl.sum(wdy, axis=0)
+                c1, c2 = _slice_sums(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
+                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
                 if TAIL_N > 0:
-                    xhat, dy, wdy = _part_terms(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
-                                                DW_REGS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-                    c1 += gl.sum(xhat * wdy, axis=0)
-                    if not IS_RMS_NORM:
-                        c2 += gl.sum(wdy, axis=0)
-                if SPLIT > 1:
-                    if IS_RMS_NORM:  # no c2: c1 fills the word's other half, unread
-                        _publish_sums(WS, row, c1, c1, part, SPLIT)
-                        c1, _c1 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
-                    else:
-                        _publish_sums(WS, row, c1, c2, part, SPLIT)
-                        c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
+                    t1, t2 = _slice_sums(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
+                                         DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                    c1 += t1
+                    c2 += t2
+                if SPLIT > 1:  # the slices' sums, exchanged
+                    _publish_sums(WS, row, c1, c2, part, SPLIT)
+                    c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
                 c1 = c1 / N
                 c2 = c2 / N
                 # Pass 2 reads the staged row again rather than holding pass 1's values across
