@@ -878,8 +878,8 @@ def bwd_smem_slices(
         lag = split >= BWD_SMEM_LAG_MIN_SPLIT
         stages = 3 if lag else 2
         fits = width * (weight_bytes + stages * staged_bytes) <= BWD_SMEM_BYTES
-        if n_cols % width == 0 and fits:
-            return (width, split, stages, lag) if 2 <= split <= BWD_SMEM_MAX_SPLIT else None
+        if n_cols % width == 0 and split >= 2 and fits:
+            return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
         width //= 2
     return None
 

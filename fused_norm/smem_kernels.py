@@ -239,6 +239,25 @@ if AVAILABLE:
         return p1, p2
 
     @gluon.jit
+    def _row_ahead(S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                   i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                   stride_dres_out_row, STAGES: gl.constexpr, TAIL_N: gl.constexpr,
+                   HAS_DRESIDUAL_OUT: gl.constexpr, IS_RMS_NORM: gl.constexpr):  # fmt: skip
+        """At the top of the loop over the program's ``i``-th row ``row``: start copying the row
+        STAGES - 1 ahead into the slot of the row before (done with), and return the next
+        row's statistics (rstd, mean), one row ahead (the last row reads its own again)."""
+        _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                   (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
+                   stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
+                   HAS_DRESIDUAL_OUT)  # fmt: skip
+        nxt = gl.minimum(row + 1, last)
+        rstd_next = gl.load(RSTD + nxt)
+        mean_next = 0.0
+        if not IS_RMS_NORM:
+            mean_next = gl.load(MEAN + nxt)
+        return rstd_next, mean_next
+
+    @gluon.jit
     def _bwd_smem_kernel(
         S,         # (M, N) the normalised pre-norm sum
         W,         # (N,) weight (16-bit)
@@ -321,16 +340,11 @@ if AVAILABLE:
                 _publish_sums(WS, row_start, p1, p2, part, SPLIT)
             for row in range(row_start, row_end):
                 i = (row - row_start).to(gl.int32)
-                # Into the slot of the row before, done last time round.
-                _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                           (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
-                           stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
-                           HAS_DRESIDUAL_OUT)  # fmt: skip
-                nxt = gl.minimum(row + 1, last)
-                rstd_next = gl.load(RSTD + nxt)
-                mean_next = 0.0
-                if not IS_RMS_NORM:
-                    mean_next = gl.load(MEAN + nxt)
+                rstd_next, mean_next = _row_ahead(
+                    S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                    i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                    stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
+                )  # fmt: skip
                 _async_copy.wait_group(STAGES - 2)  # the next row's copies have landed
                 _barrier()
                 if row + 1 < row_end:
@@ -353,16 +367,11 @@ if AVAILABLE:
         else:
             for row in range(row_start, row_end):
                 i = (row - row_start).to(gl.int32)
-                _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                           (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
-                           stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
-                           HAS_DRESIDUAL_OUT)  # fmt: skip
-                # The next row's statistics, one row ahead (the last row reads its own again).
-                nxt = gl.minimum(row + 1, last)
-                rstd_next = gl.load(RSTD + nxt)
-                mean_next = 0.0
-                if not IS_RMS_NORM:
-                    mean_next = gl.load(MEAN + nxt)
+                rstd_next, mean_next = _row_ahead(
+                    S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+                    i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                    stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
+                )  # fmt: skip
                 _async_copy.wait_group(STAGES - 1)  # this row's copies have landed
                 _barrier()
                 slot = i % STAGES
