@@ -886,7 +886,7 @@ def bwd_smem_slices(
 
 def bwd_smem_partials(
     n_cols: int, elem_bytes: int, partials: int, kind: str | None, device: torch.device,
-    w4: bool, aligned: bool, staged_bytes: int = 0,
+    w4: bool, aligned: bool, staged_bytes: int,
 ) -> bool:  # fmt: skip
     """Whether the backward runs smem_kernels' kernel. ``kind`` is what the kernel must do
     beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
@@ -897,8 +897,8 @@ def bwd_smem_partials(
     compute capability 9 or more whose blocks may take Hopper's shared memory; and either whole
     rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and parameters (not
     ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or rows in slices
-    (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes`` per column, by
-    default three or two rows of the widest element): of x alone, or with a residual of 4-byte
+    (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes`` per column, the
+    staged rows' s, dy and any dresidual_out): of x alone, or with a residual of 4-byte
     elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters.
     The kernel is Gluon's: never under the interpreter."""
     if not (BWD_SMEM_PARTIALS and partials == 2 and kind in ("plain", "residual")):
@@ -906,7 +906,6 @@ def bwd_smem_partials(
     if kind == "residual" and not BWD_SMEM_RESIDUAL:
         return False
     if bwd_smem_sliced(n_cols, elem_bytes):
-        staged_bytes = staged_bytes or (3 if kind == "residual" else 2) * elem_bytes
         slices = bwd_smem_slices(n_cols, staged_bytes, 4 if w4 else 2)
         if not BWD_SMEM_SPLIT or slices is None or (w4 and elem_bytes == 2):
             return False

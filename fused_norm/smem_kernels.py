@@ -338,13 +338,14 @@ if AVAILABLE:
                 p1, p2 = _slice_sums(s_buf, dy_buf, 0, layout, wf, mean, rstd, DW_REGS,
                                      ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
                 _publish_sums(WS, row_start, p1, p2, part, SPLIT)
-            for row in range(row_start, row_end):
-                i = (row - row_start).to(gl.int32)
-                rstd_next, mean_next = _row_ahead(
-                    S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                    i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
-                    stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
-                )  # fmt: skip
+        for row in range(row_start, row_end):
+            i = (row - row_start).to(gl.int32)
+            rstd_next, mean_next = _row_ahead(
+                S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, i,
+                row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
+            )  # fmt: skip
+            if LAG:
                 _async_copy.wait_group(STAGES - 2)  # the next row's copies have landed
                 _barrier()
                 if row + 1 < row_end:
@@ -352,26 +353,8 @@ if AVAILABLE:
                                          rstd_next, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
                     _publish_sums(WS, row + 1, p1, p2, part, SPLIT)
                 c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
-                c1 = c1 / N
-                c2 = c2 / N
-                _barrier()
-                dw_acc, db = _part_grads(
-                    s_buf, dy_buf, r_buf, i % STAGES, layout, wf, mean, rstd, c1, c2, DX, DRES,
-                    SEEDS, row, col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc,
-                    db, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
-                    STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
-                )  # fmt: skip
-                _barrier()  # every thread is done with this slot before it is staged again
-                rstd = rstd_next
-                mean = mean_next
-        else:
-            for row in range(row_start, row_end):
-                i = (row - row_start).to(gl.int32)
-                rstd_next, mean_next = _row_ahead(
-                    S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                    i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
-                    stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
-                )  # fmt: skip
+                slot = i % STAGES
+            else:
                 _async_copy.wait_group(STAGES - 1)  # this row's copies have landed
                 _barrier()
                 slot = i % STAGES
@@ -386,29 +369,29 @@ if AVAILABLE:
                 if SPLIT > 1:  # the slices' sums, exchanged
                     _publish_sums(WS, row, c1, c2, part, SPLIT)
                     c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
-                c1 = c1 / N
-                c2 = c2 / N
-                # Pass 2 reads the staged row again rather than holding pass 1's values across
-                # the sums (the barrier keeps the two reads apart): registers, not bandwidth,
-                # limit a program of 16384 columns.
-                _barrier()
-                dw_acc, db = _part_grads(
-                    s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
-                    col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
-                    NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
-                    HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
+            c1 = c1 / N
+            c2 = c2 / N
+            # Pass 2 reads the staged row again rather than holding pass 1's values across the
+            # sums (the barrier keeps the two reads apart): registers, not bandwidth, limit a
+            # program of 16384 columns.
+            _barrier()
+            dw_acc, db = _part_grads(
+                s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
+                col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
+                NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
+                HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
+            )  # fmt: skip
+            if TAIL_N > 0:
+                tdw_acc, tdb = _part_grads(
+                    ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
+                    DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
+                    stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
+                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
+                    ZERO_CENTERED_WEIGHT,
                 )  # fmt: skip
-                if TAIL_N > 0:
-                    tdw_acc, tdb = _part_grads(
-                        ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
-                        DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
-                        stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
-                        HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
-                        ZERO_CENTERED_WEIGHT,
-                    )  # fmt: skip
-                _barrier()  # every thread is done with this slot before it is staged again
-                rstd = rstd_next
-                mean = mean_next
+            _barrier()  # every thread is done with this slot before it is staged again
+            rstd = rstd_next
+            mean = mean_next
         _async_copy.wait_group(0)
         dst = PARTS + blk.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)

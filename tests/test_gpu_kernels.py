@@ -361,12 +361,18 @@ def _fresh_plans():
     config.settings_changed()  # empties ops' plan caches
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
-@given(
-    n=st.sampled_from([10256, 11264, 12288, 14336, 16000, 16384]),
+# The flags the smem tests of 16-bit rows draw (in this order, after n).
+SMEM_FLAGS = dict(
     dtype=st.sampled_from([BF16, FP16]),
     is_rms_norm=st.booleans(),
     zero_centered_weight=st.booleans(),
+)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([10256, 11264, 12288, 14336, 16000, 16384]),
+    **SMEM_FLAGS,
     rows=st.sampled_from([1, 7, 133, 401]),
 )
 # Both places of partial dW (config.bwd_smem_dw_regs): fp16 weights keep it in shared memory on
@@ -433,9 +439,7 @@ def _smem_split() -> list:
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     n=st.sampled_from([32768, 49152, 65536, 131072, 262144]),
-    dtype=st.sampled_from([BF16, FP16]),
-    is_rms_norm=st.booleans(),
-    zero_centered_weight=st.booleans(),
+    **SMEM_FLAGS,
     rows=st.sampled_from([1, 7, 133, 300]),
 )
 # Two slices (the sums exchanged in the row) and many (published a row ahead: LAG).

@@ -708,13 +708,12 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
 
     if not smem_kernels.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    ok = dict(
-        n_cols=12288, elem_bytes=2, partials=2, kind="plain", device=gpu, w4=False, aligned=True
-    )
+    ok = dict(n_cols=12288, elem_bytes=2, partials=2, kind="plain", device=gpu, w4=False,
+              aligned=True, staged_bytes=4)  # fmt: skip
     assert config.bwd_smem_partials(**ok)
     assert config.bwd_smem_partials(**{**ok, "kind": "residual"})
     for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
-                   dict(elem_bytes=4), dict(partials=1), dict(partials=4), dict(kind=None),
+                   dict(elem_bytes=4, staged_bytes=8), dict(partials=1), dict(partials=4), dict(kind=None),
                    dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu")),
                    dict(kind="residual", n_cols=16400)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**ok, **change}), change
@@ -728,13 +727,16 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     # 16K-column slices (2 to 16), of 4-byte rows in 8K-column slices; with a residual only
     # 4-byte rows in two slices; no slice staging less than 64 KB of a row, none but whole.
     sliced = dict(ok, n_cols=32768)
-    for change in ({}, dict(n_cols=49152), dict(n_cols=262144), dict(n_cols=16384, elem_bytes=4,
-                   w4=True), dict(n_cols=131072, elem_bytes=4, w4=True),
+    fp32 = dict(elem_bytes=4, w4=True, staged_bytes=8)
+    for change in ({}, dict(n_cols=49152), dict(n_cols=262144), dict(fp32, n_cols=16384),
+                   dict(fp32, n_cols=131072),
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=12, w4=True),
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=10)):  # fmt: skip
         assert config.bwd_smem_partials(**{**sliced, **change}), change
-    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True), dict(kind="residual"),
-                   dict(n_cols=12288, elem_bytes=4), dict(n_cols=262144, elem_bytes=4),
+    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True),
+                   dict(kind="residual", staged_bytes=6),
+                   dict(n_cols=12288, elem_bytes=4, staged_bytes=8),
+                   dict(n_cols=262144, elem_bytes=4, staged_bytes=8),
                    dict(n_cols=65536, elem_bytes=4, kind="residual", staged_bytes=12),
                    dict(aligned=False)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**sliced, **change}), change
