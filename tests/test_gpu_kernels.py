@@ -361,6 +361,15 @@ def _fresh_plans():
     config.settings_changed()  # empties ops' plan caches
 
 
+def _smem_check(case, api="fn"):
+    """Check ``case`` on the GPU (check_case) with ops' plan caches emptied first, so that
+    they then hold its plans only; skipped below compute capability 9 (smem_kernels)."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    _fresh_plans()
+    check_case(case, api, device="cuda")
+
+
 # The flags the smem tests of 16-bit rows draw (in this order, after n).
 SMEM_FLAGS = dict(
     dtype=st.sampled_from([BF16, FP16]),
@@ -385,12 +394,9 @@ def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centere
     columns): every gradient against the fp64 reference, one row to several per program, the
     row held as one block (14336-16384, padded past N) or 8192 + a tail (10256-12288). The
     test fails if the plan did not take that kernel."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
-    _fresh_plans()
     case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    check_case(case, "fn", device="cuda")
+    _smem_check(case)
     assert _smem_plans() == [True]
     if dtype == FP16 and n in (12288, 16384):
         from fused_norm import ops
@@ -418,13 +424,10 @@ def test_gpu_smem_backward_residual_dropout_matches_reference(
     with dresidual_out staged (prenorm: partial dW in registers, the weight in shared memory,
     config.bwd_smem_dw_regs) or not: every gradient against the fp64 reference, which applies
     the mask the forward returned. The test fails if the plan did not take that kernel."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
-    _fresh_plans()
     case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, dropout_p=dropout_p,
                 prenorm=prenorm, seed=n + rows)  # fmt: skip
-    check_case(case, "fn", device="cuda")
+    _smem_check(case)
     assert _smem_plans() == [True]
 
 
@@ -452,12 +455,9 @@ def test_gpu_smem_sliced_backward_matches_reference(n, dtype, is_rms_norm, zero_
     partial row sums (config.bwd_smem_slices: 16K-column slices, 2 to 16 of them, with LAG
     from 3): every gradient against the fp64 reference, one row to several per program.
     The test fails if the plan did not take the sliced kernel."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
-    _fresh_plans()
     case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    check_case(case, "fn", device="cuda")
+    _smem_check(case)
     (split,) = _smem_split()
     assert split > 1
 
@@ -479,9 +479,6 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
     (``fp32_stream``), in two slices (16384); other widths take kernels.py's backward. Every
     gradient against the fp64 reference; the test fails if the plan is not the one the rule
     gives."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
-    _fresh_plans()
     if residual == "none":
         case = Case(shape=(rows, n), dtype=FP32, zero_centered_weight=zero_centered_weight,
                     dropout_p=dropout_p, seed=n + rows)  # fmt: skip
@@ -492,7 +489,7 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
     # LayerNorm alone in 8K-column slices (12288 has none); with dropout or a residual in two
     # slices only.
     sliced = n == 16384 if residual != "none" or dropout_p > 0.0 else n != 12288
-    check_case(case, "fn", device="cuda")
+    _smem_check(case)
     (split,) = _smem_split()
     assert (split > 1) == sliced, split
 
@@ -516,11 +513,8 @@ def test_gpu_smem_backward_leaves_what_it_lacks(name):
     match the fp64 reference. Before config.bwd_smem_partials asked for them, rowscale and
     layerscale took the Gluon kernel, which ignored them (dx without the row's scale; no
     dlayerscale)."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
-    _fresh_plans()
     case = SMEM_LACKS[name]
-    check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
+    _smem_check(case, "legacy" if case.layerscale else "fn")
     assert _smem_plans() == [False]
 
 
