@@ -845,6 +845,9 @@ BWD_SMEM_SLICE_MIN_BYTES = 65536
 BWD_SMEM_MAX_SPLIT = 16
 BWD_SMEM_LAG_MIN_SPLIT = 3
 BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
+# x1's path with its second output (weight1 and bias1, dy1 staged; no gradient buffer of x1's
+# own): 16-bit rows in slices (8K columns: four partials in registers).
+BWD_SMEM_X1 = True
 # Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets).
 BWD_SMEM_FP32_VEC = 4
 
@@ -856,10 +859,11 @@ def bwd_smem_width(n_cols: int) -> bool:
     return BWD_SMEM_MIN_COLS <= n_cols <= widest and n_cols % 16 == 0
 
 
-def bwd_smem_sliced(n_cols: int, elem_bytes: int) -> bool:
+def bwd_smem_sliced(n_cols: int, elem_bytes: int, kind: str | None = None) -> bool:
     """Whether smem_kernels' backward takes rows of ``n_cols`` columns of ``elem_bytes``-byte
-    elements (the widest of the row tensors) in slices (bwd_smem_slices) rather than whole."""
-    return n_cols > BWD_SMEM_MAX_COLS or elem_bytes > 2
+    elements (the widest of the row tensors) in slices (bwd_smem_slices) rather than whole:
+    always for x1's second output (``kind``, bwd_smem_partials: four partials)."""
+    return n_cols > BWD_SMEM_MAX_COLS or elem_bytes > 2 or kind == "x1"
 
 
 def bwd_smem_slices(
@@ -890,24 +894,29 @@ def bwd_smem_partials(
 ) -> bool:  # fmt: skip
     """Whether the backward runs smem_kernels' kernel. ``kind`` is what the kernel must do
     beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
-    x's dropout: taken where BWD_SMEM_RESIDUAL) or None (anything the kernel does not do: x1's
-    gradient or second output, rowscale, layerscale). Further: two partials (the weight's and
-    the bias's), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of
+    x's dropout: taken where BWD_SMEM_RESIDUAL), "x1" (x1's second output, weight1 and dy1,
+    with x1's gradient the same tensor as x's, and a residual as "residual" has it: taken
+    where BWD_SMEM_X1) or None (anything the kernel does not do: x1's gradient of its own,
+    rowscale, layerscale). Further: two partials (the weight's and the bias's; with "x1" four,
+    the second weight's and bias's too), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of
     multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of
     compute capability 9 or more whose blocks may take Hopper's shared memory; and either whole
     rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and parameters (not
     ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or rows in slices
     (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes`` per column, the
-    staged rows' s, dy and any dresidual_out): of x alone, or with a residual of 4-byte
-    elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters.
-    The kernel is Gluon's: never under the interpreter."""
-    if not (BWD_SMEM_PARTIALS and partials == 2 and kind in ("plain", "residual")):
+    staged rows' s, dy and any dresidual_out and dy1): of x alone, or with a residual of 4-byte
+    elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters,
+    x1's path of 16-bit elements always in slices. The kernel is Gluon's: never under the
+    interpreter."""
+    if not BWD_SMEM_PARTIALS or (partials, kind) not in ((2, "plain"), (2, "residual"), (4, "x1")):
         return False
-    if kind == "residual" and not BWD_SMEM_RESIDUAL:
+    if (kind == "residual" and not BWD_SMEM_RESIDUAL) or (kind == "x1" and not BWD_SMEM_X1):
         return False
-    if bwd_smem_sliced(n_cols, elem_bytes):
-        slices = bwd_smem_slices(n_cols, staged_bytes, 4 if w4 else 2)
+    if bwd_smem_sliced(n_cols, elem_bytes, kind):
+        slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + (kind == "x1")))
         if not BWD_SMEM_SPLIT or slices is None or (w4 and elem_bytes == 2):
+            return False
+        if kind == "x1" and elem_bytes != 2:
             return False
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False

@@ -384,13 +384,10 @@ def _bwd_launch(
     )  # fmt: skip
 
 
-def _staged_bytes(s, dy, dresidual_out) -> int:
-    """Bytes per column of the rows smem_kernels' backward stages: s, dy and dresidual_out."""
-    return (
-        s.element_size()
-        + dy.element_size()
-        + (0 if dresidual_out is None else dresidual_out.element_size())
-    )
+def _staged_bytes(s, dy, dresidual_out, dy1) -> int:
+    """Bytes per column of the rows smem_kernels' backward stages: s, dy, dresidual_out and
+    dy1 (those present)."""
+    return sum(t.element_size() for t in (s, dy, dresidual_out, dy1) if t is not None)
 
 
 def _aligned16(t) -> bool:
@@ -536,7 +533,8 @@ def _bwd_kernel_plan(
         flags = smem_flags(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
             dresidual_out is not None, dresidual is not None, dropout_p > 0.0, weight_dtype,
-            _staged_bytes(s, dy, dresidual_out) if num_chunks > 1 else 0,
+            _staged_bytes(s, dy, dresidual_out, dy1) if num_chunks > 1 else 0,
+            weight1 is not None, has_b1,
         )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -562,7 +560,8 @@ def _bwd_kernel_plan(
 
 def smem_flags(
     n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
-    store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0,
+    store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0, has_w1=False,
+    has_b1=False,
 ) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
     elements (s's; config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
@@ -570,10 +569,14 @@ def smem_flags(
     in, with ``store_dres`` the residual's goes out, with ``dropout`` x was dropped;
     ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs).
     ``sliced_bytes`` > 0: the row is taken in slices (config.bwd_smem_slices), its staged rows
-    that many bytes per column; partial dW then in registers, the weight in shared memory."""
+    that many bytes per column; partial dW then in registers, the weight in shared memory.
+    ``has_w1`` (in slices): a second output (x1's path) with a second weight, and with
+    ``has_b1`` a second bias."""
     warps = config.BWD_SMEM_WARPS
     if sliced_bytes:
-        block_n, split, stages, lag = config.bwd_smem_slices(n, sliced_bytes, weight_dtype.itemsize)
+        block_n, split, stages, lag = config.bwd_smem_slices(
+            n, sliced_bytes, weight_dtype.itemsize * (1 + has_w1)
+        )
         tail, dw_regs = 0, True
     else:
         block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
@@ -596,6 +599,8 @@ def smem_flags(
         SPLIT=split,
         SPLIT_P2=config.next_power_of_2(split),
         LAG=lag,
+        HAS_W1=has_w1,
+        HAS_B1=has_b1,
     )
 
 
@@ -638,9 +643,10 @@ def _bwd_run(
     red_args = (parts, g0, g1, g2, g3, g4, programs, n)
     if smem:
         args = (
-            s, weight, mean, rstd, dy, dresidual_out, seeds, dx, dresidual, parts, c12,
-            s.stride(0), dy.stride(0), _stride0(dresidual_out), dx.stride(0),
-            _stride0(dresidual), programs * n, m, n, config.cdiv(m, programs), dropout_p,
+            s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, seeds, dx, dresidual, parts,
+            c12, s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out),
+            dx.stride(0), _stride0(dresidual), programs * n, m, n, config.cdiv(m, programs),
+            dropout_p,
         )  # fmt: skip
         (_SMEM.warm if warm else _SMEM)((programs * num_chunks,), dev, args, flags, warps)
         (_RED.warm if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
@@ -722,7 +728,8 @@ def _bwd_make_plan(
     """The _BwdPlan of fused_norm_bwd's arguments; without ``ask_resident`` (a warm-up, whose
     kernel serves any grid, or no rows) it does not compile the kernel to ask how many of its
     programs fit on the device at once. ``aligned``: s and dy are 16-byte aligned with row
-    strides of multiples of 16 elements, and so is dresidual_out (config.bwd_smem_partials)."""
+    strides of multiples of 16 elements, and so are dresidual_out and dy1
+    (where present; config.bwd_smem_partials)."""
     # dx equals ds, the gradient of the pre-norm sum, unless x was scaled or dropped.
     dx_is_ds = dropout_p == 0.0 and rowscale is None and layerscale is None
     own_dres = residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype)
@@ -736,14 +743,15 @@ def _bwd_make_plan(
     w4 = _param_bytes(weight, bias, weight1, bias1) == 4
     # What smem_kernels' kernel would have to do beyond the norm (config.bwd_smem_partials).
     kind = None
-    if not own_dx1 and dy1 is None and rowscale is None and layerscale is None:
-        kind = "plain" if plain else "residual"
-    staged = _staged_bytes(s, dy, dresidual_out)
+    if not own_dx1 and rowscale is None and layerscale is None:
+        kind = "x1" if dy1 is not None else "plain" if plain else "residual"
+    staged = _staged_bytes(s, dy, dresidual_out, dy1)
     smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned, staged)
     if smem:  # one program per SM (its shared memory), the row held whole or in slices
         warps = config.BWD_SMEM_WARPS
-        if config.bwd_smem_sliced(n, elem_bytes):  # slices exchanging their row sums
-            block_n, num_chunks, _, _ = config.bwd_smem_slices(n, staged, weight.element_size())
+        if config.bwd_smem_sliced(n, elem_bytes, kind):  # slices exchanging their row sums
+            weight_bytes = weight.element_size() * (1 + (weight1 is not None))
+            block_n, num_chunks, _, _ = config.bwd_smem_slices(n, staged, weight_bytes)
             tail, exchange = 0, True
         else:
             block_n, tail, _ = config.bwd_smem_layout(n)  # (staging depth: smem_flags)
@@ -809,7 +817,7 @@ def fused_norm_bwd(
     # no addresses) the kernels.py kernel serves. (Stand-ins of a warm-up count as aligned.)
     aligned = (
         not compiling and config.bwd_smem_width(n) and _aligned16(s) and _aligned16(dy)
-        and (dresidual_out is None or _aligned16(dresidual_out))
+        and all(t is None or _aligned16(t) for t in (dresidual_out, dy1))
     )  # fmt: skip
     plan = None
     if cached:

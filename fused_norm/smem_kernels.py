@@ -68,10 +68,11 @@ if AVAILABLE:
             _async_load(tbuf.index(slot), PTR + r * stride_row + tcols, mask=(tcols < N) & live)
 
     @gluon.jit
-    def _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, slot, row,
-                   row_end, cols, tcols, N, stride_s_row, stride_dy_row, stride_dres_out_row,
-                   TAIL_N: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr):  # fmt: skip
-        """Start copying ``row``'s s and dy (and its dresidual_out, if any) into
+    def _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf, tr_buf,
+                   slot, row, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
+                   stride_dres_out_row, stride_dy1_row, TAIL_N: gl.constexpr,
+                   HAS_DRESIDUAL_OUT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
+        """Start copying ``row``'s s and dy (and its dresidual_out and dy1, if any) into
         buffer ``slot`` (zeros past N or past the program's last row), as one commit group."""
         r = row.to(gl.int64)
         live = row < row_end
@@ -80,14 +81,17 @@ if AVAILABLE:
         if HAS_DRESIDUAL_OUT:
             _stage(DRES_OUT, r_buf, tr_buf, slot, r, live, cols, tcols, N, stride_dres_out_row,
                    TAIL_N)  # fmt: skip
+        if HAS_W1:  # (x1's second output: rows in slices, no tail)
+            _stage(DY1, y1_buf, y1_buf, slot, r, live, cols, cols, N, stride_dy1_row, 0)
         _async_copy.commit_group()
 
     @gluon.jit
-    def _part_terms(s_buf, dy_buf, slot, layout: gl.constexpr, w, mean, rstd,
-                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
-        """xhat, dy and wdy = w * dy of one part (block or tail) of the staged row, fp32; ``w``
-        the part's weight as _part_setup holds it. Columns past N read zeros: dy = 0 there,
-        so every term they add is zero."""
+    def _part_terms(s_buf, dy_buf, y1_buf, slot, layout: gl.constexpr, w, w1, mean, rstd,
+                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
+                    HAS_W1: gl.constexpr):  # fmt: skip
+        """xhat, dy, dy1 and wdy = w * dy (+ w1 * dy1) of one part (block or tail) of the
+        staged row, fp32; ``w`` (``w1``) the part's weight as _part_setup holds it. Columns
+        past N read zeros: dy = dy1 = 0 there, so every term they add is zero."""
         s = s_buf.index(slot).load(layout).to(gl.float32)
         dy = dy_buf.index(slot).load(layout).to(gl.float32)
         if DW_REGS:  # the weight in shared memory, as stored
@@ -96,7 +100,16 @@ if AVAILABLE:
                 wf += 1.0
         else:
             wf = w
-        return (s - mean) * rstd, dy, wf * dy
+        xhat = (s - mean) * rstd
+        wdy = wf * dy
+        dy1 = dy  # placeholder without a second output
+        if HAS_W1:  # the second weight in shared memory too (DW_REGS)
+            w1f = w1.load(layout).to(gl.float32)
+            if ZERO_CENTERED_WEIGHT:
+                w1f += 1.0
+            dy1 = y1_buf.index(slot).load(layout).to(gl.float32)
+            wdy += w1f * dy1
+        return xhat, dy, dy1, wdy
 
     @gluon.jit
     def _keep(SEEDS, row, col0, dropout_p, PART_N: gl.constexpr, VEC: gl.constexpr,
@@ -112,19 +125,20 @@ if AVAILABLE:
         return _keeps(bits, dropout_p)
 
     @gluon.jit
-    def _part_grads(s_buf, dy_buf, r_buf, slot, layout: gl.constexpr, wf, mean, rstd,
-                    c1, c2, DX, DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row,
-                    stride_dres_row, dw_acc, db, PART_N: gl.constexpr, VEC: gl.constexpr,
-                    NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    HAS_DRESIDUAL_OUT: gl.constexpr, STORE_DRESIDUAL: gl.constexpr,
-                    HAS_DROPOUT: gl.constexpr, DW_REGS: gl.constexpr,
-                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
+    def _part_grads(s_buf, dy_buf, r_buf, y1_buf, slot, layout: gl.constexpr, wf, w1f, mean,
+                    rstd, c1, c2, DX, DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row,
+                    stride_dres_row, dw_acc, db, dw1, db1, PART_N: gl.constexpr,
+                    VEC: gl.constexpr, NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
+                    STORE_DRESIDUAL: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
+                    HAS_W1: gl.constexpr, HAS_B1: gl.constexpr):  # fmt: skip
         """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
         sum, and dx: ds through dropout) and add its terms to the partials (dW in shared
-        memory, private to each thread by the layout, or with DW_REGS in registers; dB in
-        registers); returns (dW, dB)."""
-        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
-                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
+        memory, private to each thread by the layout, or with DW_REGS in registers; dB, and
+        the second output's dW1 and dB1, in registers); returns (dW, dB, dW1, dB1)."""
+        xhat, dy, dy1, wdy = _part_terms(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean,
+                                         rstd, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
         if IS_RMS_NORM:
             ds = (wdy - xhat * c1) * rstd
         else:
@@ -146,7 +160,11 @@ if AVAILABLE:
             dw_acc.store(dw_acc.load(layout) + dy * xhat)
         if HAS_BIAS:
             db += dy
-        return dw_acc, db
+        if HAS_W1:
+            dw1 += dy1 * xhat
+            if HAS_B1:
+                db1 += dy1
+        return dw_acc, db, dw1, db1
 
     @gluon.jit
     def _weight(W, cols, N, ZERO_CENTERED_WEIGHT: gl.constexpr):
@@ -157,14 +175,17 @@ if AVAILABLE:
         return w
 
     @gluon.jit
-    def _part_setup(S, DY, DRES_OUT, W, col0, PART_N: gl.constexpr, layout: gl.constexpr, N,
-                    STAGES: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr, DW_REGS: gl.constexpr,
-                    ZERO_CENTERED_WEIGHT: gl.constexpr):  # fmt: skip
-        """One part's columns (``col0`` on), its staging buffers of s, dy and (with
-        HAS_DRESIDUAL_OUT; else s's buffer stands in, never read) dresidual_out, its zeroed
-        partial dW, its zeroed partial dB (registers) and its weight: dW in shared memory and
-        the weight in registers (fp32), or with DW_REGS dW in registers and the weight in
-        shared memory as stored (zero past N)."""
+    def _part_setup(S, DY, DRES_OUT, DY1, W, W1, col0, PART_N: gl.constexpr,
+                    layout: gl.constexpr, N, STAGES: gl.constexpr,
+                    HAS_DRESIDUAL_OUT: gl.constexpr, DW_REGS: gl.constexpr,
+                    ZERO_CENTERED_WEIGHT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
+        """One part's columns (``col0`` on), its staging buffers of s, dy, (with
+        HAS_DRESIDUAL_OUT) dresidual_out and (with HAS_W1) dy1, s's buffer standing in for
+        those absent (never read), its zeroed partial dW, its zeroed partial dB (registers) and
+        its weight: dW in shared memory and the weight in registers (fp32), or with DW_REGS dW
+        in registers and the weight in shared memory as stored (zero past N); with HAS_W1 the
+        second output's zeroed partials dW1, dB1 (registers) and weight (shared memory, as
+        the first with DW_REGS)."""
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         cols = col0 + gl.arange(0, PART_N, layout=layout)
         s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
@@ -172,6 +193,10 @@ if AVAILABLE:
         r_buf = s_buf
         if HAS_DRESIDUAL_OUT:
             r_buf = gl.allocate_shared_memory(DRES_OUT.dtype.element_ty, [STAGES, PART_N], shared)
+        y1_buf = s_buf
+        if HAS_W1:
+            gl.static_assert(DW_REGS, "a second output: the weights in shared memory")
+            y1_buf = gl.allocate_shared_memory(DY1.dtype.element_ty, [STAGES, PART_N], shared)
         if DW_REGS:
             dw_acc = gl.zeros([PART_N], gl.float32, layout)
             wf = gl.allocate_shared_memory(
@@ -183,20 +208,32 @@ if AVAILABLE:
             )
             wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
         db = gl.zeros([PART_N], gl.float32, layout)
-        return cols, s_buf, dy_buf, r_buf, dw_acc, db, wf
+        w1f = wf  # placeholder without a second output
+        if HAS_W1:
+            w1f = gl.allocate_shared_memory(
+                W1.dtype.element_ty, [PART_N], shared, gl.load(W1 + cols, mask=cols < N, other=0.0)
+            )
+        dw1 = gl.zeros([PART_N], gl.float32, layout)
+        db1 = gl.zeros([PART_N], gl.float32, layout)
+        return cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f
 
     @gluon.jit
-    def _store_part_partials(part, slab, cols, N, dw_acc, db, layout: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, DW_REGS: gl.constexpr):  # fmt: skip
-        """One part's partial dW (from shared memory, or registers) and dB into the program's
-        rows of their slabs (``part``: the program's row of the first; ``slab``: elements
-        apart)."""
+    def _store_part_partials(part, slab, cols, N, dw_acc, db, dw1, db1, layout: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, DW_REGS: gl.constexpr, HAS_W1: gl.constexpr,
+                             HAS_B1: gl.constexpr):  # fmt: skip
+        """One part's partial dW (from shared memory, or registers), dB, dW1 and dB1 into the
+        program's rows of their slabs, in that order (``part``: the program's row of the
+        first; ``slab``: elements apart)."""
         if DW_REGS:
             gl.store(part + cols, dw_acc, mask=cols < N)
         else:
             gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
         if HAS_BIAS:
             gl.store(part + slab + cols, db, mask=cols < N)
+        if HAS_W1:
+            gl.store(part + (1 + HAS_BIAS) * slab + cols, dw1, mask=cols < N)
+            if HAS_B1:
+                gl.store(part + (2 + HAS_BIAS) * slab + cols, db1, mask=cols < N)
 
     @gluon.jit
     def _publish_sums(WS, row, p1, p2, part, SPLIT: gl.constexpr):
@@ -224,14 +261,14 @@ if AVAILABLE:
         return c1, c2
 
     @gluon.jit
-    def _slice_sums(s_buf, dy_buf, slot, layout: gl.constexpr, wf, mean, rstd,
+    def _slice_sums(s_buf, dy_buf, y1_buf, slot, layout: gl.constexpr, wf, w1f, mean, rstd,
                     DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
-                    IS_RMS_NORM: gl.constexpr):  # fmt: skip
+                    IS_RMS_NORM: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
         """A part's partial row sums (sum(xhat * wdy), sum(wdy)) of the staged row in ``slot``
         (a slice, a block or a tail); RMSNorm has no second: the first fills its place
         (unread)."""
-        xhat, dy, wdy = _part_terms(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
-                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
+        xhat, dy, dy1, wdy = _part_terms(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean,
+                                         rstd, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
         p1 = gl.sum(xhat * wdy, axis=0)
         p2 = p1
         if not IS_RMS_NORM:
@@ -239,17 +276,18 @@ if AVAILABLE:
         return p1, p2
 
     @gluon.jit
-    def _row_ahead(S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
-                   i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
-                   stride_dres_out_row, STAGES: gl.constexpr, TAIL_N: gl.constexpr,
-                   HAS_DRESIDUAL_OUT: gl.constexpr, IS_RMS_NORM: gl.constexpr):  # fmt: skip
+    def _row_ahead(S, DY, DRES_OUT, DY1, MEAN, RSTD, s_buf, dy_buf, r_buf, y1_buf, ts_buf,
+                   tdy_buf, tr_buf, i, row, row_end, last, cols, tcols, N, stride_s_row,
+                   stride_dy_row, stride_dres_out_row, stride_dy1_row, STAGES: gl.constexpr,
+                   TAIL_N: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
+                   IS_RMS_NORM: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
         """At the top of the loop over the program's ``i``-th row ``row``: start copying the row
         STAGES - 1 ahead into the slot of the row before (done with), and return the next
         row's statistics (rstd, mean), one row ahead (the last row reads its own again)."""
-        _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf,
+        _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf, tr_buf,
                    (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
-                   stride_s_row, stride_dy_row, stride_dres_out_row, TAIL_N,
-                   HAS_DRESIDUAL_OUT)  # fmt: skip
+                   stride_s_row, stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
+                   HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
         nxt = gl.minimum(row + 1, last)
         rstd_next = gl.load(RSTD + nxt)
         mean_next = 0.0
@@ -261,17 +299,19 @@ if AVAILABLE:
     def _bwd_smem_kernel(
         S,         # (M, N) the normalised pre-norm sum
         W,         # (N,) weight (16-bit)
+        W1,        # (N,) second weight (if HAS_W1)
         MEAN,      # (M,) fp32 (if not IS_RMS_NORM)
         RSTD,      # (M,) fp32
         DY,        # (M, N) grad of y
+        DY1,       # (M, N) grad of y1, the second output (if HAS_W1)
         DRES_OUT,  # (M, N) grad of the pre-norm residual stream (if HAS_DRESIDUAL_OUT)
         SEEDS,     # (M,) int64 dropout seeds of x's rows (if HAS_DROPOUT)
         DX,        # (M, N) grad of x
         DRES,      # (M, N) grad of the residual (if STORE_DRESIDUAL)
-        PARTS,     # fp32 partial dW, then dB (if HAS_BIAS): one (P, N) slab each, stride_part apart
+        PARTS,     # fp32 partial dW, then dB, dW1, dB1 (those present): one (P, N) slab each, stride_part apart
         WS,        # SPLIT > 1: (M, SPLIT) int64 words of the slices' partial row sums, -1 until published
-        stride_s_row, stride_dy_row, stride_dres_out_row, stride_dx_row, stride_dres_row,
-        stride_part,
+        stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_dx_row,
+        stride_dres_row, stride_part,
         M, N,
         rows_per_program,
         dropout_p,
@@ -291,6 +331,8 @@ if AVAILABLE:
         SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N columns each (TAIL_N 0)
         SPLIT_P2: gl.constexpr = 1,  # SPLIT rounded up to a power of two
         LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
+        HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (in slices)
+        HAS_B1: gl.constexpr = False,
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
         # the same columns, so the partials in shared memory are private to a thread.
@@ -301,27 +343,29 @@ if AVAILABLE:
         # only on each other, and with one program per SM and a grid of at most one per SM
         # (ops), all are resident at once.
         gl.static_assert(SPLIT == 1 or TAIL_N == 0, "a sliced row has no tail")
+        gl.static_assert(not HAS_W1 or TAIL_N == 0, "a second output: no tail")
         pid = gl.program_id(0)
         blk = pid // SPLIT
         part = pid % SPLIT
         col0 = part * BLOCK_N
         row_start = blk.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
-        cols, s_buf, dy_buf, r_buf, dw_acc, db, wf = _part_setup(
-            S, DY, DRES_OUT, W, col0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT, DW_REGS,
-            ZERO_CENTERED_WEIGHT,
+        cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f = _part_setup(
+            S, DY, DRES_OUT, DY1, W, W1, col0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT,
+            DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
         )  # fmt: skip
         if TAIL_N > 0:
-            tcols, ts_buf, tdy_buf, tr_buf, tdw_acc, tdb, twf = _part_setup(
-                S, DY, DRES_OUT, W, BLOCK_N, TAIL_N, tail_layout, N, STAGES, HAS_DRESIDUAL_OUT,
-                DW_REGS, ZERO_CENTERED_WEIGHT,
+            tcols, ts_buf, tdy_buf, tr_buf, ty1_buf, tdw_acc, tdb, tdw1, tdb1, twf, tw1f = _part_setup(
+                S, DY, DRES_OUT, DY1, W, W1, BLOCK_N, TAIL_N, tail_layout, N, STAGES,
+                HAS_DRESIDUAL_OUT, DW_REGS, ZERO_CENTERED_WEIGHT, False,
             )  # fmt: skip
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf, tr_buf = cols, s_buf, dy_buf, r_buf
         for k in gl.static_range(STAGES - 1):
-            _stage_row(S, DY, DRES_OUT, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, k,
-                       row_start + k, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
-                       stride_dres_out_row, TAIL_N, HAS_DRESIDUAL_OUT)  # fmt: skip
+            _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
+                       tr_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
+                       stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
+                       HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
         rstd = gl.load(RSTD + row_start, mask=row_start < M, other=0.0)
         mean = 0.0
@@ -335,22 +379,24 @@ if AVAILABLE:
             _async_copy.wait_group(STAGES - 2)  # the first row has landed
             _barrier()
             if row_start < row_end:
-                p1, p2 = _slice_sums(s_buf, dy_buf, 0, layout, wf, mean, rstd, DW_REGS,
-                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, 0, layout, wf, w1f, mean, rstd,
+                                     DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                 _publish_sums(WS, row_start, p1, p2, part, SPLIT)
         for row in range(row_start, row_end):
             i = (row - row_start).to(gl.int32)
             rstd_next, mean_next = _row_ahead(
-                S, DY, DRES_OUT, MEAN, RSTD, s_buf, dy_buf, r_buf, ts_buf, tdy_buf, tr_buf, i,
-                row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
-                stride_dres_out_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT, IS_RMS_NORM,
+                S, DY, DRES_OUT, DY1, MEAN, RSTD, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
+                tr_buf, i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                stride_dres_out_row, stride_dy1_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT,
+                IS_RMS_NORM, HAS_W1,
             )  # fmt: skip
             if LAG:
                 _async_copy.wait_group(STAGES - 2)  # the next row's copies have landed
                 _barrier()
                 if row + 1 < row_end:
-                    p1, p2 = _slice_sums(s_buf, dy_buf, (i + 1) % STAGES, layout, wf, mean_next,
-                                         rstd_next, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                    p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, (i + 1) % STAGES, layout, wf,
+                                         w1f, mean_next, rstd_next, DW_REGS,
+                                         ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                     _publish_sums(WS, row + 1, p1, p2, part, SPLIT)
                 c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
                 slot = i % STAGES
@@ -359,11 +405,12 @@ if AVAILABLE:
                 _barrier()
                 slot = i % STAGES
                 # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
-                c1, c2 = _slice_sums(s_buf, dy_buf, slot, layout, wf, mean, rstd, DW_REGS,
-                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                c1, c2 = _slice_sums(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean, rstd,
+                                     DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                 if TAIL_N > 0:
-                    t1, t2 = _slice_sums(ts_buf, tdy_buf, slot, tail_layout, twf, mean, rstd,
-                                         DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM)  # fmt: skip
+                    t1, t2 = _slice_sums(ts_buf, tdy_buf, ts_buf, slot, tail_layout, twf, twf,
+                                         mean, rstd, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM,
+                                         False)  # fmt: skip
                     c1 += t1
                     c2 += t2
                 if SPLIT > 1:  # the slices' sums, exchanged
@@ -375,19 +422,20 @@ if AVAILABLE:
             # sums (the barrier keeps the two reads apart): registers, not bandwidth, limit a
             # program of 16384 columns.
             _barrier()
-            dw_acc, db = _part_grads(
-                s_buf, dy_buf, r_buf, slot, layout, wf, mean, rstd, c1, c2, DX, DRES, SEEDS, row,
-                col0, dropout_p, cols, N, stride_dx_row, stride_dres_row, dw_acc, db, BLOCK_N, VEC,
-                NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
-                HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
+            dw_acc, db, dw1, db1 = _part_grads(
+                s_buf, dy_buf, r_buf, y1_buf, slot, layout, wf, w1f, mean, rstd, c1, c2, DX,
+                DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row, stride_dres_row,
+                dw_acc, db, dw1, db1, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS,
+                HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
+                HAS_W1, HAS_B1,
             )  # fmt: skip
             if TAIL_N > 0:
-                tdw_acc, tdb = _part_grads(
-                    ts_buf, tdy_buf, tr_buf, slot, tail_layout, twf, mean, rstd, c1, c2, DX,
-                    DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
-                    stride_dres_row, tdw_acc, tdb, TAIL_N, TAIL_VEC, NUM_WARPS, IS_RMS_NORM,
-                    HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS,
-                    ZERO_CENTERED_WEIGHT,
+                tdw_acc, tdb, tdw1, tdb1 = _part_grads(
+                    ts_buf, tdy_buf, tr_buf, ts_buf, slot, tail_layout, twf, twf, mean, rstd, c1,
+                    c2, DX, DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
+                    stride_dres_row, tdw_acc, tdb, tdb, tdb, TAIL_N, TAIL_VEC, NUM_WARPS,
+                    IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT,
+                    DW_REGS, ZERO_CENTERED_WEIGHT, False, False,
                 )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next
@@ -395,7 +443,8 @@ if AVAILABLE:
         _async_copy.wait_group(0)
         dst = PARTS + blk.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)
-        _store_part_partials(dst, slab, cols, N, dw_acc, db, layout, HAS_BIAS, DW_REGS)
+        _store_part_partials(dst, slab, cols, N, dw_acc, db, dw1, db1, layout, HAS_BIAS, DW_REGS,
+                             HAS_W1, HAS_B1)  # fmt: skip
         if TAIL_N > 0:
-            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tail_layout, HAS_BIAS,
-                                 DW_REGS)  # fmt: skip
+            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tdb, tdb, tail_layout,
+                                 HAS_BIAS, DW_REGS, False, False)  # fmt: skip

@@ -1,8 +1,9 @@
 """Compile smem_kernels' backward kernel for an H100/H200 (sm_90) on a machine without a GPU
 (Triton's compiler and the ptxas in its wheel need none), as the launcher would for LayerNorm
 with a bias, and print its layout (block, tail, stages, slices), registers, spills and shared
-memory per width, for a norm of x alone and for dropout + add + LayerNorm with prenorm (a
-residual gradient in and out, x's dropout):
+memory per width, for a norm of x alone, for dropout + add + LayerNorm with prenorm (a
+residual gradient in and out, x's dropout) and for x1's path (x + x1 + residual, prenorm, a
+second output with weight1 and bias1, no dropout):
 
     python scripts/compile_smem.py 12288 16384 65536
 
@@ -41,59 +42,80 @@ DTYPES = {
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def flags(n: int, dtype: str = "bf16", residual: bool = False) -> dict:
-    """The constexprs the launcher passes for rows of ``n`` columns of ``dtype`` (DTYPES), for a
-    norm of x alone or (``residual``) dropout + add + LayerNorm with prenorm."""
+def _variant(dtype: str, residual: bool, x1: bool):
+    """(s's bytes, x's bytes, staged bytes per column, dres_out, store_dres, dropout) of rows of
+    ``dtype``: a norm of x alone, (``residual``) dropout + add + LayerNorm with prenorm, or
+    (``x1``) x1's path with prenorm, its residual of x's dtype and no dropout (dx, dx1 and
+    dresidual one tensor)."""
     stream, xw = DTYPES[dtype]
     s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
-    staged = s_bytes + x_bytes + (s_bytes if residual else 0)  # s, dy, dresidual_out
-    sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes))
+    dres_out = residual or x1
+    staged = s_bytes + x_bytes + (s_bytes if dres_out else 0) + (x_bytes if x1 else 0)
+    return s_bytes, x_bytes, staged, dres_out, residual, residual
+
+
+def flags(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False) -> dict:
+    """The constexprs the launcher passes for rows of ``n`` columns of ``dtype`` (DTYPES), for a
+    norm of x alone, (``residual``) dropout + add + LayerNorm with prenorm or (``x1``) x1's
+    path (_variant)."""
+    s_bytes, x_bytes, staged, dres_out, store_dres, dropout = _variant(dtype, residual, x1)
+    kind = "x1" if x1 else None
+    sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes), kind)
     return ops.smem_flags(
-        n, s_bytes, False, True, False, residual, residual, residual, TORCH[xw],
-        staged if sliced else 0,
+        n, s_bytes, False, True, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
+        staged if sliced else 0, x1, x1,
     )  # fmt: skip
 
 
-def takes(n: int, dtype: str = "bf16", residual: bool = False) -> bool:
+def takes(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False) -> bool:
     """Whether the launcher takes smem_kernels' backward for such rows (config.bwd_smem_partials)
     on a Hopper GPU that fits it."""
-    stream, xw = DTYPES[dtype]
-    s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
-    staged = s_bytes + x_bytes + (s_bytes if residual else 0)
+    s_bytes, x_bytes, staged, _, _, _ = _variant(dtype, residual, x1)
     config._nvidia = lambda device: True  # as on an H100 / H200
     config._smem_ok = lambda index: True
+    kind = "x1" if x1 else "residual" if residual else "plain"
     return config.bwd_smem_partials(
-        n, max(s_bytes, x_bytes), 2, "residual" if residual else "plain", torch.device("cuda"),
-        x_bytes == 4, True, staged,
+        n, max(s_bytes, x_bytes), 4 if x1 else 2, kind, torch.device("cuda"), x_bytes == 4, True,
+        staged,
     )  # fmt: skip
 
 
-def compile_width(n: int, dtype: str = "bf16", residual: bool = False):
+def compile_width(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False):
     """(registers, stack bytes, shared bytes, PTX) of the kernel the launcher picks at ``n``
     for rows and weights of ``dtype`` (DTYPES; where partial dW is kept depends on it,
-    config.bwd_smem_dw_regs), for a norm of x alone or (``residual``) dropout + add +
-    LayerNorm with prenorm."""
+    config.bwd_smem_dw_regs), for a norm of x alone, (``residual``) dropout + add +
+    LayerNorm with prenorm or (``x1``) x1's path (_variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     stream, xw = DTYPES[dtype]
-    constexprs = flags(n, dtype, residual)
+    constexprs = flags(n, dtype, residual, x1)
     warps = constexprs["NUM_WARPS"]
-    names = ("S W MEAN RSTD DY DRES_OUT SEEDS DX DRES PARTS WS stride_s_row stride_dy_row "
-             "stride_dres_out_row stride_dx_row stride_dres_row stride_part M N "
-             "rows_per_program dropout_p").split()  # fmt: skip
-    res = f"*{stream}" if residual else "constexpr"  # absent tensors are None (constexprs)
-    ws = "*i64" if constexprs["SPLIT"] > 1 else "constexpr"
-    types = [f"*{stream}", f"*{xw}", "*fp32", "*fp32", f"*{xw}", res,
-             "*i64" if residual else "constexpr", f"*{xw}", res, "*fp32", ws]  # fmt: skip
-    sig = dict(zip(names, types + ["i32"] * 9 + ["fp32"]))
+    names = ("S W W1 MEAN RSTD DY DY1 DRES_OUT SEEDS DX DRES PARTS WS stride_s_row "
+             "stride_dy_row stride_dy1_row stride_dres_out_row stride_dx_row stride_dres_row "
+             "stride_part M N rows_per_program dropout_p").split()  # fmt: skip
+    absent = "constexpr"  # absent tensors are None (constexprs)
+    res = f"*{stream}" if residual else absent
+    second = f"*{xw}" if x1 else absent
+    ws = "*i64" if constexprs["SPLIT"] > 1 else absent
+    types = [f"*{stream}", f"*{xw}", second, "*fp32", "*fp32", f"*{xw}", second,
+             f"*{stream}" if residual or x1 else absent, "*i64" if residual else absent,
+             f"*{xw}", res, "*fp32", ws]  # fmt: skip
+    sig = dict(zip(names, types + ["i32"] * 10 + ["fp32"]))
     sig.update({k: "constexpr" for k in constexprs})
     given = dict(constexprs)
-    if ws == "constexpr":
+    if ws == absent:
         given.update(WS=None)
+    if not x1:
+        given.update(W1=None, DY1=None, stride_dy1_row=0)
+        sig.update(stride_dy1_row="constexpr")
+    if not (residual or x1):
+        given.update(DRES_OUT=None)
+        sig.update(stride_dres_out_row="constexpr")
+        given.update(stride_dres_out_row=0)
     if not residual:
-        given.update(DRES_OUT=None, SEEDS=None, DRES=None)
-        sig.update(stride_dres_out_row="constexpr", stride_dres_row="constexpr")
-        given.update(stride_dres_out_row=0, stride_dres_row=0)
+        given.update(SEEDS=None, DRES=None)
+        sig.update(stride_dres_row="constexpr")
+        given.update(stride_dres_row=0)
     # As Triton's JIT specialises them: 16-byte aligned pointers, strides and N % 16 == 0.
     aligned = [i for i, name in enumerate(names) if sig[name] not in ("constexpr", "fp32")
                and name not in ("M", "rows_per_program")]  # fmt: skip
@@ -116,12 +138,15 @@ if __name__ == "__main__":
         sys.exit("this Triton has no Gluon")
     for arg in sys.argv[1:] or ["12288", "16384"]:
         n = int(arg)
-        for dtype, residual in (("bf16", False), ("bf16", True), ("fp16", False),
-                                ("fp32", False), ("fp32", True), ("bf16_res32", True)):  # fmt: skip
-            if not takes(n, dtype, residual):
+        for dtype, residual, x1 in (("bf16", False, False), ("bf16", True, False),
+                                    ("fp16", False, False), ("fp32", False, False),
+                                    ("fp32", True, False), ("bf16_res32", True, False),
+                                    ("bf16", False, True), ("fp16", False, True)):  # fmt: skip
+            if not takes(n, dtype, residual, x1):
                 continue
-            f = flags(n, dtype, residual)
-            regs, stack, shared, _ptx = compile_width(n, dtype, residual)
+            f = flags(n, dtype, residual, x1)
+            regs, stack, shared, _ptx = compile_width(n, dtype, residual, x1)
             layout = (f["BLOCK_N"], f["TAIL_N"], f["STAGES"], f["SPLIT"])
-            print(f"dtype={dtype} n={arg} residual={residual} block,tail,stages,split={layout} "
-                  f"dw_regs={f['DW_REGS']} regs={regs} stack={stack} shared={shared}")  # fmt: skip
+            print(f"dtype={dtype} n={arg} residual={residual} x1={x1} "
+                  f"block,tail,stages,split={layout} dw_regs={f['DW_REGS']} regs={regs} "
+                  f"stack={stack} shared={shared}")  # fmt: skip

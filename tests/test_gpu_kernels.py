@@ -494,6 +494,32 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
     assert (split > 1) == sliced, split
 
 
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([12288, 16384, 24576, 65536, 131072, 262144]),
+    **SMEM_FLAGS,
+    rows=st.sampled_from([1, 7, 133, 300]),
+    prenorm=st.booleans(),
+)
+@example(n=16384, dtype=BF16, is_rms_norm=False, zero_centered_weight=False, rows=300,
+         prenorm=True)  # fmt: skip
+@example(n=131072, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=7,
+         prenorm=True)  # fmt: skip
+def test_gpu_smem_sliced_backward_x1(n, dtype, is_rms_norm, zero_centered_weight, rows, prenorm):
+    """x1's path with its second output (x + x1 + residual, weight1 and bias1; no dropout, so
+    dx1 is dx) in smem_kernels' sliced backward: dy1 staged beside s, dy and dresidual_out,
+    partial dW1 and dB1 in registers, the second weight in shared memory, 8K-column slices
+    (16K-128K; 12288 has none, 256K would need 32). Without prenorm a slice would stage 48 KB of
+    a row, under config.BWD_SMEM_SLICE_MIN_BYTES: kernels.py's backward. Every gradient
+    against the fp64 reference; the test fails if the plan is not the one the rule gives."""
+    case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, has_x1=True, has_w1=True,
+                has_b1=True, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
+                prenorm=prenorm, seed=n + rows)  # fmt: skip
+    _smem_check(case)
+    (split,) = _smem_split()
+    assert split == (n // 8192 if prenorm and n not in (12288, 262144) else 0), split
+
+
 SMEM_LACKS = {
     "rowscale": Case(shape=(37, 12288), dtype=BF16, rowscale=True, seed=3),
     "rowscale_dropout": Case(shape=(37, 16384), dtype=BF16, residual_dtype=BF16, rowscale=True,
@@ -501,15 +527,16 @@ SMEM_LACKS = {
     "layerscale": Case(shape=(37, 12288), dtype=BF16, has_bias=False, layerscale=True, seed=5),
     "x1_dropout": Case(shape=(37, 12288), dtype=BF16, residual_dtype=BF16, has_x1=True,
                        dropout_p=0.1, prenorm=True, seed=6),
-    "x1_w1": Case(shape=(37, 16384), dtype=FP16, has_x1=True, has_w1=True, has_bias=False,
-                  seed=7),
+    "x1_w1_no_bias": Case(shape=(37, 16384), dtype=FP16, has_x1=True, has_w1=True,
+                          has_bias=False, seed=7),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SMEM_LACKS))
 def test_gpu_smem_backward_leaves_what_it_lacks(name):
     """Calls of the kernel's widths and dtypes with what smem_kernels' kernel does not do
-    (rowscale, layerscale, x1's gradient and second output) take kernels.py's backward, and
+    (rowscale, layerscale, x1's gradient of its own (dropout), x1's second output without
+    biases) take kernels.py's backward, and
     match the fp64 reference. Before config.bwd_smem_partials asked for them, rowscale and
     layerscale took the Gluon kernel, which ignored them (dx without the row's scale; no
     dlayerscale)."""

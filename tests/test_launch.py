@@ -740,6 +740,21 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                    dict(n_cols=65536, elem_bytes=4, kind="residual", staged_bytes=12),
                    dict(aligned=False)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**sliced, **change}), change
+    # x1's path with its second output (four partials, dy1 staged): 16-bit rows in 8K-column
+    # slices, with dresidual_out staged (prenorm; without it a slice stages 48 KB).
+    x1 = dict(ok, n_cols=16384, partials=4, kind="x1", staged_bytes=8)
+    for change in ({}, dict(n_cols=24576), dict(n_cols=131072)):
+        assert config.bwd_smem_partials(**{**x1, **change}), change
+    for change in (dict(n_cols=12288), dict(n_cols=262144), dict(partials=2), dict(staged_bytes=6),
+                   dict(elem_bytes=4, staged_bytes=12), dict(w4=True), dict(kind="plain"),
+                   dict(aligned=False)):  # fmt: skip
+        assert not config.bwd_smem_partials(**{**x1, **change}), change
+    assert not config.bwd_smem_partials(**{**ok, "partials": 4})
+    assert config.bwd_smem_sliced(16384, 2, "x1") and not config.bwd_smem_sliced(16384, 2)
+    assert config.bwd_smem_slices(16384, 8, 4) == (8192, 2, 2, False)
+    with monkeypatch.context() as mp:
+        mp.setattr(config, "BWD_SMEM_X1", False)
+        assert not config.bwd_smem_partials(**x1)
     assert config.bwd_smem_slices(32768, 4, 2) == (16384, 2, 2, False)
     assert config.bwd_smem_slices(49152, 4, 2) == (16384, 3, 3, True)
     assert config.bwd_smem_slices(262144, 4, 2) == (16384, 16, 3, True)
@@ -791,9 +806,10 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
     """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
     smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
-    x's dropout; kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1
-    and its second output, no bias). Before this rule, rowscale and layerscale took the Gluon kernel,
-    which ignored them."""
+    x's dropout, and (at 16384, in slices) x1's second output with a second bias and prenorm;
+    kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1's dropout, x1's
+    second output without biases, no bias). Before this rule, rowscale and layerscale took the
+    Gluon kernel, which ignored them."""
     from fused_norm import smem_kernels
 
     if not smem_kernels.AVAILABLE:
@@ -831,6 +847,7 @@ def _smem_plan_cases(n, launched):
     seeds = torch.zeros(2 * m, dtype=torch.int64)
     stats = dict(mean=torch.zeros(m), rstd=torch.ones(m))
     drop = dict(seeds=seeds, dropout_p=0.1, residual_dtype=bf16)
+    x1 = dict(weight1=w, bias1=b, dy1=dy, x1_dtype=bf16)  # x1's second output, its biases
     cases = {
         "ln": (True, dict()),
         "rms_bias": (True, dict(is_rms_norm=True)),
@@ -843,14 +860,16 @@ def _smem_plan_cases(n, launched):
         "layerscale": (False, dict(bias=None, layerscale=torch.ones(n, dtype=bf16), x0=s)),
         "x1_dropout": (False, dict(drop, x1_dtype=bf16)),
         "x1_w1": (False, dict(weight1=w, bias=None, dy1=dy, x1_dtype=bf16)),
+        "x1_w1_b1": (False, dict(x1, residual_dtype=bf16)),
+        "x1_w1_b1_prenorm": (n == 16384, dict(x1, residual_dtype=bf16, dresidual_out=dres_out)),
         "no_bias": (False, dict(bias=None)),
     }
     for name, (gluon, extra) in cases.items():
         config.settings_changed()
         launched.clear()
         kwargs = {"bias": b, **stats, **extra}
-        ops.fused_norm_bwd(dy, s, w, kwargs.pop("bias"), kwargs.pop("weight1", None), None,
-                           **kwargs)  # fmt: skip
+        ops.fused_norm_bwd(dy, s, w, kwargs.pop("bias"), kwargs.pop("weight1", None),
+                           kwargs.pop("bias1", None), **kwargs)  # fmt: skip
         assert launched[0] == ("_SMEM" if gluon else "_BWD"), (n, name, launched)
     config.settings_changed()
 
@@ -861,8 +880,8 @@ def test_smem_kernel_compiles_for_sm90():
     it, so this is what CI can check of the kernel), for LayerNorm with a bias alone (dW in
     registers; fp16 at 16384: in shared memory) and for dropout + add + LayerNorm with prenorm at
     both layouts (a whole 16384 row; 8192 + a 4096 tail), and for rows in slices (4-byte rows
-    at 16384, 16-bit and fp32 rows at 65536), within the shared memory a Hopper block may
-    take."""
+    at 16384, 16-bit and fp32 rows at 65536, x1's path at 16384 and 65536), within the shared
+    memory a Hopper block may take."""
     import os
     import re
     import subprocess
@@ -884,7 +903,8 @@ def test_smem_kernel_compiles_for_sm90():
             continue
         w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         block, tail, stages = config.bwd_smem_layout(n, residual, w)
-        line = re.search(rf"dtype={dtype} n={n} residual={residual} .*", out.stdout).group(0)
+        line = re.search(rf"dtype={dtype} n={n} residual={residual} x1=False .*",
+                         out.stdout).group(0)  # fmt: skip
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         held = block // 2 + tail if tail else block
         dw_regs = config.bwd_smem_dw_regs(residual, w, tail)  # the weight, or dW (fp32), beside
@@ -892,14 +912,19 @@ def test_smem_kernel_compiles_for_sm90():
         assert dw_regs == (residual or dtype == "bf16" or n == 12288)
         staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
-    # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536.
-    for n, dtype, residual, staged, weight in ((16384, "fp32", False, 8, 4),
-                                               (16384, "fp32", True, 12, 4),
-                                               (16384, "bf16_res32", True, 10, 2),
-                                               (65536, "bf16", False, 4, 2),
-                                               (65536, "fp32", False, 8, 4)):  # fmt: skip
+    # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536, x1's
+    # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536.
+    for n, dtype, residual, x1, staged, weight in ((16384, "fp32", False, False, 8, 4),
+                                                   (16384, "fp32", True, False, 12, 4),
+                                                   (16384, "bf16_res32", True, False, 10, 2),
+                                                   (65536, "bf16", False, False, 4, 2),
+                                                   (65536, "fp32", False, False, 8, 4),
+                                                   (16384, "bf16", False, True, 8, 4),
+                                                   (16384, "fp16", False, True, 8, 4),
+                                                   (65536, "bf16", False, True, 8, 4)):  # fmt: skip
         width, split, stages, _ = config.bwd_smem_slices(n, staged, weight)
-        line = re.search(rf"dtype={dtype} n={n} residual={residual} .*", out.stdout).group(0)
+        line = re.search(rf"dtype={dtype} n={n} residual={residual} x1={x1} .*",
+                         out.stdout).group(0)  # fmt: skip
         assert f"block,tail,stages,split={(width, 0, stages, split)}" in line, line
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         assert width * (weight + stages * staged) <= shared <= 227 * 1024, line
