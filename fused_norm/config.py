@@ -848,6 +848,7 @@ BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
 # x1's path with its second output (weight1 and bias1, dy1 staged; no gradient buffer of x1's
 # own): 16-bit rows in slices (8K columns: four partials in registers).
 BWD_SMEM_X1 = True
+BWD_SMEM_X1_SLICE_MIN_BYTES = 49152
 # Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets).
 BWD_SMEM_FP32_VEC = 4
 
@@ -867,7 +868,7 @@ def bwd_smem_sliced(n_cols: int, elem_bytes: int, kind: str | None = None) -> bo
 
 
 def bwd_smem_slices(
-    n_cols: int, staged_bytes: int, weight_bytes: int
+    n_cols: int, staged_bytes: int, weight_bytes: int, x1: bool = False
 ) -> tuple[int, int, int, bool] | None:
     """(slice, split, stages, lag) of a sliced row (bwd_smem_sliced): the widest power of two
     of columns, at most BWD_SMEM_SLICE_MAX, that divides the row into ``split`` slices (2 to
@@ -875,9 +876,11 @@ def bwd_smem_slices(
     fit ``stages`` deep beside the slice's weight (``weight_bytes`` per column; partial dW in
     registers): 2 rows, or with ``lag`` (BWD_SMEM_LAG_MIN_SPLIT slices or more: the sums
     published a row ahead, smem_kernels' LAG) 3. A slice stages at least
-    BWD_SMEM_SLICE_MIN_BYTES of each row. None where no slice does all that."""
+    BWD_SMEM_SLICE_MIN_BYTES of each row (``x1``, x1's second output:
+    BWD_SMEM_X1_SLICE_MIN_BYTES). None where no slice does all that."""
     width = BWD_SMEM_SLICE_MAX
-    while width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES:
+    min_bytes = BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else BWD_SMEM_SLICE_MIN_BYTES
+    while width * staged_bytes >= min_bytes:
         split = n_cols // width
         lag = split >= BWD_SMEM_LAG_MIN_SPLIT
         stages = 3 if lag else 2
@@ -913,10 +916,9 @@ def bwd_smem_partials(
     if (kind == "residual" and not BWD_SMEM_RESIDUAL) or (kind == "x1" and not BWD_SMEM_X1):
         return False
     if bwd_smem_sliced(n_cols, elem_bytes, kind):
-        slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + (kind == "x1")))
+        x1 = kind == "x1"
+        slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + x1), x1)
         if not BWD_SMEM_SPLIT or slices is None or (w4 and elem_bytes == 2):
-            return False
-        if kind == "x1" and elem_bytes != 2:
             return False
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False

@@ -575,7 +575,7 @@ def smem_flags(
     warps = config.BWD_SMEM_WARPS
     if sliced_bytes:
         block_n, split, stages, lag = config.bwd_smem_slices(
-            n, sliced_bytes, weight_dtype.itemsize * (1 + has_w1)
+            n, sliced_bytes, weight_dtype.itemsize * (1 + has_w1), has_w1
         )
         tail, dw_regs = 0, True
     else:
@@ -751,7 +751,9 @@ def _bwd_make_plan(
         warps = config.BWD_SMEM_WARPS
         if config.bwd_smem_sliced(n, elem_bytes, kind):  # slices exchanging their row sums
             weight_bytes = weight.element_size() * (1 + (weight1 is not None))
-            block_n, num_chunks, _, _ = config.bwd_smem_slices(n, staged, weight_bytes)
+            block_n, num_chunks, _, _ = config.bwd_smem_slices(
+                n, staged, weight_bytes, kind == "x1"
+            )
             tail, exchange = 0, True
         else:
             block_n, tail, _ = config.bwd_smem_layout(n)  # (staging depth: smem_flags)

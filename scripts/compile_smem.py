@@ -51,7 +51,8 @@ def _variant(dtype: str, residual: bool, x1: bool):
     s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
     dres_out = residual or x1
     staged = s_bytes + x_bytes + (s_bytes if dres_out else 0) + (x_bytes if x1 else 0)
-    return s_bytes, x_bytes, staged, dres_out, residual, residual
+    store_dres = residual or (x1 and s_bytes != x_bytes)  # dresidual unlike dx: its own buffer
+    return s_bytes, x_bytes, staged, dres_out, store_dres, residual
 
 
 def flags(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False) -> dict:
@@ -94,28 +95,28 @@ def compile_width(n: int, dtype: str = "bf16", residual: bool = False, x1: bool 
              "stride_dy_row stride_dy1_row stride_dres_out_row stride_dx_row stride_dres_row "
              "stride_part M N rows_per_program dropout_p").split()  # fmt: skip
     absent = "constexpr"  # absent tensors are None (constexprs)
-    res = f"*{stream}" if residual else absent
-    second = f"*{xw}" if x1 else absent
-    ws = "*i64" if constexprs["SPLIT"] > 1 else absent
-    types = [f"*{stream}", f"*{xw}", second, "*fp32", "*fp32", f"*{xw}", second,
-             f"*{stream}" if residual or x1 else absent, "*i64" if residual else absent,
-             f"*{xw}", res, "*fp32", ws]  # fmt: skip
-    sig = dict(zip(names, types + ["i32"] * 10 + ["fp32"]))
+    present = {
+        "W1": constexprs["HAS_W1"],
+        "DY1": constexprs["HAS_W1"],
+        "DRES_OUT": constexprs["HAS_DRESIDUAL_OUT"],
+        "SEEDS": constexprs["HAS_DROPOUT"],
+        "DRES": constexprs["STORE_DRESIDUAL"],
+        "WS": constexprs["SPLIT"] > 1,
+    }
+    types = {"S": stream, "W": xw, "W1": xw, "MEAN": "fp32", "RSTD": "fp32", "DY": xw,
+             "DY1": xw, "DRES_OUT": stream, "SEEDS": "i64", "DX": xw, "DRES": stream,
+             "PARTS": "fp32", "WS": "i64"}  # fmt: skip
+    sig = {name: f"*{dt}" if present.get(name, True) else absent for name, dt in types.items()}
+    sig.update({name: "i32" for name in names[len(types) : -1]})
+    sig.update(dropout_p="fp32")
     sig.update({k: "constexpr" for k in constexprs})
     given = dict(constexprs)
-    if ws == absent:
-        given.update(WS=None)
-    if not x1:
-        given.update(W1=None, DY1=None, stride_dy1_row=0)
-        sig.update(stride_dy1_row="constexpr")
-    if not (residual or x1):
-        given.update(DRES_OUT=None)
-        sig.update(stride_dres_out_row="constexpr")
-        given.update(stride_dres_out_row=0)
-    if not residual:
-        given.update(SEEDS=None, DRES=None)
-        sig.update(stride_dres_row="constexpr")
-        given.update(stride_dres_row=0)
+    given.update({name: None for name, there in present.items() if not there})
+    for name, stride in (("DY1", "stride_dy1_row"), ("DRES_OUT", "stride_dres_out_row"),
+                         ("DRES", "stride_dres_row")):  # fmt: skip
+        if not present[name]:
+            sig[stride] = absent
+            given[stride] = 0
     # As Triton's JIT specialises them: 16-byte aligned pointers, strides and N % 16 == 0.
     aligned = [i for i, name in enumerate(names) if sig[name] not in ("constexpr", "fp32")
                and name not in ("M", "rows_per_program")]  # fmt: skip
@@ -141,7 +142,8 @@ if __name__ == "__main__":
         for dtype, residual, x1 in (("bf16", False, False), ("bf16", True, False),
                                     ("fp16", False, False), ("fp32", False, False),
                                     ("fp32", True, False), ("bf16_res32", True, False),
-                                    ("bf16", False, True), ("fp16", False, True)):  # fmt: skip
+                                    ("bf16", False, True), ("fp16", False, True),
+                                    ("fp32", False, True), ("bf16_res32", False, True)):  # fmt: skip
             if not takes(n, dtype, residual, x1):
                 continue
             f = flags(n, dtype, residual, x1)

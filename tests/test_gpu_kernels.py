@@ -504,20 +504,51 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
 @example(n=16384, dtype=BF16, is_rms_norm=False, zero_centered_weight=False, rows=300,
          prenorm=True)  # fmt: skip
 @example(n=131072, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=7,
-         prenorm=True)  # fmt: skip
+         prenorm=False)  # fmt: skip
 def test_gpu_smem_sliced_backward_x1(n, dtype, is_rms_norm, zero_centered_weight, rows, prenorm):
     """x1's path with its second output (x + x1 + residual, weight1 and bias1; no dropout, so
-    dx1 is dx) in smem_kernels' sliced backward: dy1 staged beside s, dy and dresidual_out,
-    partial dW1 and dB1 in registers, the second weight in shared memory, 8K-column slices
-    (16K-128K; 12288 has none, 256K would need 32). Without prenorm a slice would stage 48 KB of
-    a row, under config.BWD_SMEM_SLICE_MIN_BYTES: kernels.py's backward. Every gradient
-    against the fp64 reference; the test fails if the plan is not the one the rule gives."""
+    dx1 is dx) in smem_kernels' sliced backward: dy1 staged beside s, dy and (prenorm)
+    dresidual_out, partial dW1 and dB1 in registers, the second weight in shared memory,
+    8K-column slices of 16-bit rows (16K-128K; 12288 has none, 256K would need 32). Every
+    gradient against the fp64 reference; the test fails if the plan is not the one the rule
+    gives."""
     case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, has_x1=True, has_w1=True,
                 has_b1=True, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
                 prenorm=prenorm, seed=n + rows)  # fmt: skip
     _smem_check(case)
     (split,) = _smem_split()
-    assert split == (n // 8192 if prenorm and n not in (12288, 262144) else 0), split
+    assert split == (0 if n in (12288, 262144) else n // 8192), split
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from([16384, 32768, 65536]),
+    stream=st.sampled_from(["fp32", "fp32_stream"]),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 300]),
+    prenorm=st.booleans(),
+)
+@example(n=65536, stream="fp32", zero_centered_weight=False, rows=133, prenorm=True)
+@example(n=16384, stream="fp32_stream", zero_centered_weight=True, rows=300, prenorm=True)
+def test_gpu_smem_sliced_backward_x1_4byte_rows(n, stream, zero_centered_weight, rows, prenorm):
+    """x1's path with its second output in smem_kernels' sliced backward for rows of 4-byte
+    elements: fp32 rows and weights, or bf16 x, x1 and weights with an fp32 residual stream
+    (``fp32_stream``: dresidual then has a buffer of its own). The slices
+    (config.bwd_smem_slices: the widest whose staged rows fit beside both weights, at least
+    48 KB of a row for x1): fp32 rows 4K columns; the fp32 stream 8K without prenorm, with it
+    8K in two slices and 4K in more (three staged rows of 12 bytes a column). Every gradient
+    against the fp64 reference; the test fails if the plan is not that one."""
+    dtype = FP32 if stream == "fp32" else BF16
+    case = Case(shape=(rows, n), dtype=dtype, residual_dtype=FP32, residual_in_fp32=True,
+                has_x1=True, has_w1=True, has_b1=True, prenorm=prenorm,
+                zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    if stream == "fp32":
+        width = 4096
+    else:
+        width = 4096 if prenorm and n > 16384 else 8192
+    _smem_check(case)
+    (split,) = _smem_split()
+    assert split == n // width, split
 
 
 SMEM_LACKS = {

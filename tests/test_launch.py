@@ -740,18 +740,25 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                    dict(n_cols=65536, elem_bytes=4, kind="residual", staged_bytes=12),
                    dict(aligned=False)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**sliced, **change}), change
-    # x1's path with its second output (four partials, dy1 staged): 16-bit rows in 8K-column
-    # slices, with dresidual_out staged (prenorm; without it a slice stages 48 KB).
+    # x1's path with its second output (four partials, dy1 staged; x1's slices may stage 48 KB
+    # of a row): 16-bit rows in 8K-column slices with dresidual_out staged (prenorm) or not,
+    # 4-byte rows in 4K or 8K, 16-bit parameters beside 16-bit rows.
     x1 = dict(ok, n_cols=16384, partials=4, kind="x1", staged_bytes=8)
-    for change in ({}, dict(n_cols=24576), dict(n_cols=131072)):
+    fp32_x1 = dict(elem_bytes=4, w4=True, staged_bytes=16)
+    for change in ({}, dict(n_cols=24576), dict(n_cols=131072), dict(staged_bytes=6),
+                   dict(fp32_x1), dict(fp32_x1, n_cols=65536), dict(fp32_x1, staged_bytes=12),
+                   dict(elem_bytes=4, staged_bytes=12), dict(elem_bytes=4, staged_bytes=8)):  # fmt: skip
         assert config.bwd_smem_partials(**{**x1, **change}), change
-    for change in (dict(n_cols=12288), dict(n_cols=262144), dict(partials=2), dict(staged_bytes=6),
-                   dict(elem_bytes=4, staged_bytes=12), dict(w4=True), dict(kind="plain"),
-                   dict(aligned=False)):  # fmt: skip
+    for change in (dict(n_cols=12288), dict(n_cols=262144), dict(fp32_x1, n_cols=131072),
+                   dict(partials=2), dict(w4=True), dict(kind="plain"), dict(aligned=False)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**x1, **change}), change
     assert not config.bwd_smem_partials(**{**ok, "partials": 4})
     assert config.bwd_smem_sliced(16384, 2, "x1") and not config.bwd_smem_sliced(16384, 2)
-    assert config.bwd_smem_slices(16384, 8, 4) == (8192, 2, 2, False)
+    assert config.bwd_smem_slices(16384, 8, 4, True) == (8192, 2, 2, False)
+    assert config.bwd_smem_slices(16384, 6, 4, True) == (8192, 2, 2, False)
+    assert config.bwd_smem_slices(16384, 6, 4) is None  # 48 KB: x1's slices only
+    assert config.bwd_smem_slices(65536, 16, 8, True) == (4096, 16, 3, True)
+    assert config.bwd_smem_slices(32768, 12, 4, True) == (4096, 8, 3, True)
     with monkeypatch.context() as mp:
         mp.setattr(config, "BWD_SMEM_X1", False)
         assert not config.bwd_smem_partials(**x1)
@@ -761,13 +768,15 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_slices(16384, 8, 4) == (8192, 2, 2, False)
     assert config.bwd_smem_slices(16384, 12, 4) == (8192, 2, 2, False)
     assert config.bwd_smem_slices(131072, 8, 4) == (8192, 16, 3, True)
-    for n, staged, weight in itertools.product(range(16384, 262145, 8192), (4, 6, 8, 10, 12),
-                                               (2, 4)):  # fmt: skip
-        slices = config.bwd_smem_slices(n, staged, weight)
+    for n, staged, weight, x1 in itertools.product(
+        range(16384, 262145, 8192), (4, 6, 8, 10, 12, 16), (2, 4, 8), (False, True)
+    ):
+        slices = config.bwd_smem_slices(n, staged, weight, x1)
         if slices is not None:
             width, split, stages, lag = slices
             assert width * split == n and 2 <= split <= config.BWD_SMEM_MAX_SPLIT
-            assert width * staged >= config.BWD_SMEM_SLICE_MIN_BYTES
+            least = config.BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else config.BWD_SMEM_SLICE_MIN_BYTES
+            assert width * staged >= least
             assert width * (weight + stages * staged) <= config.BWD_SMEM_BYTES
             assert lag == (split >= config.BWD_SMEM_LAG_MIN_SPLIT) and stages == 2 + lag
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
@@ -806,7 +815,7 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
     """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
     smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
-    x's dropout, and (at 16384, in slices) x1's second output with a second bias and prenorm;
+    x's dropout, and (at 16384, in slices) x1's second output with a second bias;
     kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1's dropout, x1's
     second output without biases, no bias). Before this rule, rowscale and layerscale took the
     Gluon kernel, which ignored them."""
@@ -860,7 +869,7 @@ def _smem_plan_cases(n, launched):
         "layerscale": (False, dict(bias=None, layerscale=torch.ones(n, dtype=bf16), x0=s)),
         "x1_dropout": (False, dict(drop, x1_dtype=bf16)),
         "x1_w1": (False, dict(weight1=w, bias=None, dy1=dy, x1_dtype=bf16)),
-        "x1_w1_b1": (False, dict(x1, residual_dtype=bf16)),
+        "x1_w1_b1": (n == 16384, dict(x1, residual_dtype=bf16)),
         "x1_w1_b1_prenorm": (n == 16384, dict(x1, residual_dtype=bf16, dresidual_out=dres_out)),
         "no_bias": (False, dict(bias=None)),
     }
@@ -913,7 +922,8 @@ def test_smem_kernel_compiles_for_sm90():
         staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
     # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536, x1's
-    # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536.
+    # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536, and of
+    # 4-byte rows at 16384.
     for n, dtype, residual, x1, staged, weight in ((16384, "fp32", False, False, 8, 4),
                                                    (16384, "fp32", True, False, 12, 4),
                                                    (16384, "bf16_res32", True, False, 10, 2),
@@ -921,8 +931,10 @@ def test_smem_kernel_compiles_for_sm90():
                                                    (65536, "fp32", False, False, 8, 4),
                                                    (16384, "bf16", False, True, 8, 4),
                                                    (16384, "fp16", False, True, 8, 4),
-                                                   (65536, "bf16", False, True, 8, 4)):  # fmt: skip
-        width, split, stages, _ = config.bwd_smem_slices(n, staged, weight)
+                                                   (65536, "bf16", False, True, 8, 4),
+                                                   (16384, "fp32", False, True, 16, 8),
+                                                   (16384, "bf16_res32", False, True, 12, 4)):  # fmt: skip
+        width, split, stages, _ = config.bwd_smem_slices(n, staged, weight, x1)
         line = re.search(rf"dtype={dtype} n={n} residual={residual} x1={x1} .*",
                          out.stdout).group(0)  # fmt: skip
         assert f"block,tail,stages,split={(width, 0, stages, split)}" in line, line
