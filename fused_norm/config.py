@@ -849,6 +849,7 @@ BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
 # own): 16-bit rows in slices (8K columns: four partials in registers).
 BWD_SMEM_X1 = True
 BWD_SMEM_X1_SLICE_MIN_BYTES = 49152
+BWD_SMEM_X1_TAILS = True
 # Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets).
 BWD_SMEM_FP32_VEC = 4
 
@@ -877,7 +878,9 @@ def bwd_smem_slices(
     registers): 2 rows, or with ``lag`` (BWD_SMEM_LAG_MIN_SPLIT slices or more: the sums
     published a row ahead, smem_kernels' LAG) 3. A slice stages at least
     BWD_SMEM_SLICE_MIN_BYTES of each row (``x1``, x1's second output:
-    BWD_SMEM_X1_SLICE_MIN_BYTES). None where no slice does all that."""
+    BWD_SMEM_X1_SLICE_MIN_BYTES). Where no power of two does all that, x1's row may be two
+    slices of a power of two and a tail (BWD_SMEM_X1_TAILS, slice_parts: 12288 as 2 x (4096 +
+    2048)). None where no slice does all that."""
     width = BWD_SMEM_SLICE_MAX
     min_bytes = BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else BWD_SMEM_SLICE_MIN_BYTES
     while width * staged_bytes >= min_bytes:
@@ -888,7 +891,20 @@ def bwd_smem_slices(
         if n_cols % width == 0 and split >= 2 and fits:
             return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
         width //= 2
+    width = n_cols // 2
+    block, tail = slice_parts(width)
+    if (x1 and BWD_SMEM_X1_TAILS and n_cols % 32 == 0 and block <= BWD_SMEM_SLICE_MAX
+            and 4 * tail >= block and tail & (tail - 1) == 0 and width * staged_bytes >= min_bytes
+            and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES):  # fmt: skip
+        return width, 2, 2, False
     return None
+
+
+def slice_parts(width: int) -> tuple[int, int]:
+    """(block, tail) of a slice of ``width`` columns (bwd_smem_slices): the widest power of two
+    in it and what is left (0 for a power of two), each held in a layout of its own."""
+    block = 1 << (width.bit_length() - 1)
+    return block, width - block
 
 
 def bwd_smem_partials(

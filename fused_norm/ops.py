@@ -574,15 +574,16 @@ def smem_flags(
     ``has_b1`` a second bias."""
     warps = config.BWD_SMEM_WARPS
     if sliced_bytes:
-        block_n, split, stages, lag = config.bwd_smem_slices(
+        width, split, stages, lag = config.bwd_smem_slices(
             n, sliced_bytes, weight_dtype.itemsize * (1 + has_w1), has_w1
         )
-        tail, dw_regs = 0, True
+        (block, tail), dw_regs = config.slice_parts(width), True
     else:
         block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
+        block = block_n // 2 if tail else block_n
         split, lag, dw_regs = 1, False, config.bwd_smem_dw_regs(has_dres_out, weight_dtype, tail)
     return dict(
-        BLOCK_N=block_n // 2 if tail else block_n,
+        BLOCK_N=block,
         TAIL_N=tail,
         IS_RMS_NORM=is_rms_norm,
         HAS_BIAS=has_bias,

@@ -69,7 +69,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf, tr_buf,
-                   slot, row, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
+                   ty1_buf, slot, row, row_end, cols, tcols, N, stride_s_row, stride_dy_row,
                    stride_dres_out_row, stride_dy1_row, TAIL_N: gl.constexpr,
                    HAS_DRESIDUAL_OUT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
         """Start copying ``row``'s s and dy (and its dresidual_out and dy1, if any) into
@@ -81,8 +81,8 @@ if AVAILABLE:
         if HAS_DRESIDUAL_OUT:
             _stage(DRES_OUT, r_buf, tr_buf, slot, r, live, cols, tcols, N, stride_dres_out_row,
                    TAIL_N)  # fmt: skip
-        if HAS_W1:  # (x1's second output: rows in slices, no tail)
-            _stage(DY1, y1_buf, y1_buf, slot, r, live, cols, cols, N, stride_dy1_row, 0)
+        if HAS_W1:  # x1's second output
+            _stage(DY1, y1_buf, ty1_buf, slot, r, live, cols, tcols, N, stride_dy1_row, TAIL_N)
         _async_copy.commit_group()
 
     @gluon.jit
@@ -277,7 +277,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _row_ahead(S, DY, DRES_OUT, DY1, MEAN, RSTD, s_buf, dy_buf, r_buf, y1_buf, ts_buf,
-                   tdy_buf, tr_buf, i, row, row_end, last, cols, tcols, N, stride_s_row,
+                   tdy_buf, tr_buf, ty1_buf, i, row, row_end, last, cols, tcols, N, stride_s_row,
                    stride_dy_row, stride_dres_out_row, stride_dy1_row, STAGES: gl.constexpr,
                    TAIL_N: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
                    IS_RMS_NORM: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
@@ -285,7 +285,7 @@ if AVAILABLE:
         STAGES - 1 ahead into the slot of the row before (done with), and return the next
         row's statistics (rstd, mean), one row ahead (the last row reads its own again)."""
         _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf, tr_buf,
-                   (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
+                   ty1_buf, (i + STAGES - 1) % STAGES, row + STAGES - 1, row_end, cols, tcols, N,
                    stride_s_row, stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
                    HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
         nxt = gl.minimum(row + 1, last)
@@ -328,7 +328,7 @@ if AVAILABLE:
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
         TAIL_VEC: gl.constexpr,      # and in the tail (1 where there is none)
         NUM_WARPS: gl.constexpr,     # the launch's num_warps
-        SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N columns each (TAIL_N 0)
+        SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N + TAIL_N columns each
         SPLIT_P2: gl.constexpr = 1,  # SPLIT rounded up to a power of two
         LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
         HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (in slices)
@@ -342,12 +342,11 @@ if AVAILABLE:
         # rows each and exchange their partial row sums (_publish_sums, _wait_sums); they wait
         # only on each other, and with one program per SM and a grid of at most one per SM
         # (ops), all are resident at once.
-        gl.static_assert(SPLIT == 1 or TAIL_N == 0, "a sliced row has no tail")
-        gl.static_assert(not HAS_W1 or TAIL_N == 0, "a second output: no tail")
+        gl.static_assert(not LAG or TAIL_N == 0, "LAG: slices without a tail")
         pid = gl.program_id(0)
         blk = pid // SPLIT
         part = pid % SPLIT
-        col0 = part * BLOCK_N
+        col0 = part * (BLOCK_N + TAIL_N)  # the slice's first column; its tail's: col0 + BLOCK_N
         row_start = blk.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f = _part_setup(
@@ -356,14 +355,14 @@ if AVAILABLE:
         )  # fmt: skip
         if TAIL_N > 0:
             tcols, ts_buf, tdy_buf, tr_buf, ty1_buf, tdw_acc, tdb, tdw1, tdb1, twf, tw1f = _part_setup(
-                S, DY, DRES_OUT, DY1, W, W1, BLOCK_N, TAIL_N, tail_layout, N, STAGES,
-                HAS_DRESIDUAL_OUT, DW_REGS, ZERO_CENTERED_WEIGHT, False,
+                S, DY, DRES_OUT, DY1, W, W1, col0 + BLOCK_N, TAIL_N, tail_layout, N, STAGES,
+                HAS_DRESIDUAL_OUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
             )  # fmt: skip
         else:  # placeholders, never read
-            tcols, ts_buf, tdy_buf, tr_buf = cols, s_buf, dy_buf, r_buf
+            tcols, ts_buf, tdy_buf, tr_buf, ty1_buf = cols, s_buf, dy_buf, r_buf, y1_buf
         for k in gl.static_range(STAGES - 1):
             _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
-                       tr_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
+                       tr_buf, ty1_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
                        stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
                        HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
@@ -386,7 +385,7 @@ if AVAILABLE:
             i = (row - row_start).to(gl.int32)
             rstd_next, mean_next = _row_ahead(
                 S, DY, DRES_OUT, DY1, MEAN, RSTD, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
-                tr_buf, i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
+                tr_buf, ty1_buf, i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
                 stride_dres_out_row, stride_dy1_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT,
                 IS_RMS_NORM, HAS_W1,
             )  # fmt: skip
@@ -408,9 +407,9 @@ if AVAILABLE:
                 c1, c2 = _slice_sums(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean, rstd,
                                      DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                 if TAIL_N > 0:
-                    t1, t2 = _slice_sums(ts_buf, tdy_buf, ts_buf, slot, tail_layout, twf, twf,
+                    t1, t2 = _slice_sums(ts_buf, tdy_buf, ty1_buf, slot, tail_layout, twf, tw1f,
                                          mean, rstd, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM,
-                                         False)  # fmt: skip
+                                         HAS_W1)  # fmt: skip
                     c1 += t1
                     c2 += t2
                 if SPLIT > 1:  # the slices' sums, exchanged
@@ -431,11 +430,11 @@ if AVAILABLE:
             )  # fmt: skip
             if TAIL_N > 0:
                 tdw_acc, tdb, tdw1, tdb1 = _part_grads(
-                    ts_buf, tdy_buf, tr_buf, ts_buf, slot, tail_layout, twf, twf, mean, rstd, c1,
-                    c2, DX, DRES, SEEDS, row, BLOCK_N, dropout_p, tcols, N, stride_dx_row,
-                    stride_dres_row, tdw_acc, tdb, tdb, tdb, TAIL_N, TAIL_VEC, NUM_WARPS,
-                    IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT,
-                    DW_REGS, ZERO_CENTERED_WEIGHT, False, False,
+                    ts_buf, tdy_buf, tr_buf, ty1_buf, slot, tail_layout, twf, tw1f, mean, rstd,
+                    c1, c2, DX, DRES, SEEDS, row, col0 + BLOCK_N, dropout_p, tcols, N,
+                    stride_dx_row, stride_dres_row, tdw_acc, tdb, tdw1, tdb1, TAIL_N, TAIL_VEC,
+                    NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
+                    HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1, HAS_B1,
                 )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next
@@ -446,5 +445,5 @@ if AVAILABLE:
         _store_part_partials(dst, slab, cols, N, dw_acc, db, dw1, db1, layout, HAS_BIAS, DW_REGS,
                              HAS_W1, HAS_B1)  # fmt: skip
         if TAIL_N > 0:
-            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tdb, tdb, tail_layout,
-                                 HAS_BIAS, DW_REGS, False, False)  # fmt: skip
+            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tdw1, tdb1, tail_layout,
+                                 HAS_BIAS, DW_REGS, HAS_W1, HAS_B1)  # fmt: skip
