@@ -845,8 +845,24 @@ BWD_SMEM_SLICE_MIN_BYTES = 65536
 BWD_SMEM_MAX_SPLIT = 16
 BWD_SMEM_LAG_MIN_SPLIT = 3
 BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
-# x1's path with its second output (weight1 and bias1, dy1 staged; no gradient buffer of x1's
-# own): 16-bit rows in slices (8K columns: four partials in registers).
+# x1's path with its second output (weight1 and bias1 beside weight and bias: four partials;
+# dy1 staged; no gradient buffer of x1's own, so no dropout) always in slices (sixteen
+# columns a thread of four partials in registers at most: 8K-column slices of 16-bit rows, 4K
+# or 8K of 4-byte rows), which may stage BWD_SMEM_X1_SLICE_MIN_BYTES of a row; where no power
+# of two serves, two slices of a power of two and a tail (BWD_SMEM_X1_TAILS, staging
+# BWD_SMEM_SLICE_MIN_BYTES). Graph replay, H200, 2026-11-25 (bench/NOTES.md #75), backward, %
+# of copy, the current path -> slices, two runs each: bf16 with prenorm 16384 64.7-64.8 ->
+# 75.6-75.9, 32K 64.1-64.5 -> 71.3, 64K 64.0-64.1 -> 68.7, 128K 57.7-57.8 -> 65.9-66.0; fp16
+# 16384 65.4-65.7 -> 77.6-77.7; fp32 16384 68.7-68.9 -> 84.5-84.7, 64K 61.5-61.7 -> 77.9-78.5,
+# 12288 66.8-67.5 -> 85.4-85.5; bf16 with an fp32 stream 16384 69.8-70.0 -> 82.6-82.8, 12288
+# 69.1-69.2 -> 76.7-76.9, and in 48 KB slices (4K) 32K 68.8 -> 73.1-73.7, 64K 63.1 -> 67.3-67.5;
+# without prenorm (48 KB slices) bf16 16384 60.0 -> 66.9-67.2, 64K 57.9-58.0 -> 58.6-58.7, fp32
+# 64K 54.7-54.8 -> 65.9-66.1, bf16 with an fp32 stream 64K 57.0-57.2 -> 77.5-77.7; a tail: bf16
+# 20480 (8192 + 2048) 62.9-63.3 -> 68.9. Not taken, measured slower: 16-bit 12288 as 2 x (4096
+# + 2048), 48 KB a slice (63.2-63.6 -> 60.9, fp16 64.2-64.3 -> 63.2-63.3) or in 4K slices
+# (32 KB, 63.2 -> 55.6), 256K in 32 slices (57.7 -> 40.5). Measured faster and not taken, to keep
+# the tail rule simple: bf16 with an fp32 stream without prenorm 12288 as 2 x (4096 + 2048), 48
+# KB (66.8 -> 79.6-79.8).
 BWD_SMEM_X1 = True
 BWD_SMEM_X1_SLICE_MIN_BYTES = 49152
 BWD_SMEM_X1_TAILS = True
@@ -879,8 +895,9 @@ def bwd_smem_slices(
     published a row ahead, smem_kernels' LAG) 3. A slice stages at least
     BWD_SMEM_SLICE_MIN_BYTES of each row (``x1``, x1's second output:
     BWD_SMEM_X1_SLICE_MIN_BYTES). Where no power of two does all that, x1's row may be two
-    slices of a power of two and a tail (BWD_SMEM_X1_TAILS, slice_parts: 12288 as 2 x (4096 +
-    2048)). None where no slice does all that."""
+    slices of a power of two and a tail of at least a quarter of it (BWD_SMEM_X1_TAILS,
+    slice_parts: 20480 as 2 x (8192 + 2048)) that stage BWD_SMEM_SLICE_MIN_BYTES of a row.
+    None where no slice does all that."""
     width = BWD_SMEM_SLICE_MAX
     min_bytes = BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else BWD_SMEM_SLICE_MIN_BYTES
     while width * staged_bytes >= min_bytes:
@@ -894,8 +911,8 @@ def bwd_smem_slices(
     width = n_cols // 2
     block, tail = slice_parts(width)
     if (x1 and BWD_SMEM_X1_TAILS and n_cols % 32 == 0 and block <= BWD_SMEM_SLICE_MAX
-            and 4 * tail >= block and tail & (tail - 1) == 0 and width * staged_bytes >= min_bytes
-            and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES):  # fmt: skip
+            and 4 * tail >= block and tail & (tail - 1) == 0
+            and width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES):  # fmt: skip
         return width, 2, 2, False
     return None
 

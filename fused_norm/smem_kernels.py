@@ -23,14 +23,18 @@ programs of a row block taking the same rows: each publishes its slice's partial
 row as one int64 word (kernels._pack_sums, as kernels.py's EXCHANGE) and adds the row's SPLIT
 words once all are there; partial dW is kept in registers, the weight in shared memory. With
 LAG (many slices) a program publishes the next row's sums before it waits for this row's, so
-that the words it waits for came a row earlier (#74).
+that the words it waits for came a row earlier (#74). A slice is BLOCK_N columns, or BLOCK_N
+and a tail of TAIL_N (two slices of a row whose half is no power of two; not with LAG).
 
 With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
 dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in, staged
 with s and dy and added in pass 2; with dropout dx is ds through x's keep-mask, regenerated
 from the row's seed by the same Philox draws as kernels.py's (its _octet_bits and _keeps,
-called from here). What the kernel does not do (x1, rowscale, layerscale) stays with
-kernels.py (config.bwd_smem_partials).
+called from here). x1's second output (HAS_W1: y1 from weight1 and bias1, in slices) adds
+dy1, staged with the rest, to the row's terms (wdy = w * dy + w1 * dy1) and its partials dW1,
+dB1 (registers, the second weight in shared memory); x1's gradient is then dx (#75). What the
+kernel does not do (x1's dropout, rowscale, layerscale) stays with kernels.py
+(config.bwd_smem_partials).
 
 Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
 ``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
@@ -331,7 +335,7 @@ if AVAILABLE:
         SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N + TAIL_N columns each
         SPLIT_P2: gl.constexpr = 1,  # SPLIT rounded up to a power of two
         LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
-        HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (in slices)
+        HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (DW_REGS)
         HAS_B1: gl.constexpr = False,
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates

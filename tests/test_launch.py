@@ -759,7 +759,16 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_slices(16384, 6, 4) is None  # 48 KB: x1's slices only
     assert config.bwd_smem_slices(65536, 16, 8, True) == (4096, 16, 3, True)
     assert config.bwd_smem_slices(32768, 12, 4, True) == (4096, 8, 3, True)
+    # Two slices of a power of two + a tail, x1's only, staging at least 64 KB of a row.
+    assert config.bwd_smem_slices(20480, 8, 4, True) == (10240, 2, 2, False)
+    assert config.slice_parts(10240) == (8192, 2048) and config.slice_parts(8192) == (8192, 0)
+    assert config.bwd_smem_slices(20480, 8, 4) is None
+    assert config.bwd_smem_slices(20480, 6, 4, True) is None  # 60 KB
+    assert config.bwd_smem_slices(12288, 8, 4, True) is None  # 48 KB
+    assert config.bwd_smem_partials(**{**x1, "n_cols": 20480})
     with monkeypatch.context() as mp:
+        mp.setattr(config, "BWD_SMEM_X1_TAILS", False)
+        assert config.bwd_smem_slices(20480, 8, 4, True) is None
         mp.setattr(config, "BWD_SMEM_X1", False)
         assert not config.bwd_smem_partials(**x1)
     assert config.bwd_smem_slices(32768, 4, 2) == (16384, 2, 2, False)
@@ -777,6 +786,10 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
             assert width * split == n and 2 <= split <= config.BWD_SMEM_MAX_SPLIT
             least = config.BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else config.BWD_SMEM_SLICE_MIN_BYTES
             assert width * staged >= least
+            block, tail = config.slice_parts(width)
+            if tail:
+                assert x1 and split == 2 and block >= tail >= block // 4 and tail % 512 == 0
+                assert width * staged >= config.BWD_SMEM_SLICE_MIN_BYTES
             assert width * (weight + stages * staged) <= config.BWD_SMEM_BYTES
             assert lag == (split >= config.BWD_SMEM_LAG_MIN_SPLIT) and stages == 2 + lag
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
@@ -903,7 +916,7 @@ def test_smem_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, os.path.join(root, "scripts", "compile_smem.py"), "12288", "16384",
-         "65536"],
+         "20480", "65536"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
@@ -922,8 +935,8 @@ def test_smem_kernel_compiles_for_sm90():
         staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
     # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536, x1's
-    # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536, and of
-    # 4-byte rows at 16384.
+    # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536, of
+    # 4-byte rows at 16384, and at 20480 in two slices of 8192 + a 2048 tail.
     for n, dtype, residual, x1, staged, weight in ((16384, "fp32", False, False, 8, 4),
                                                    (16384, "fp32", True, False, 12, 4),
                                                    (16384, "bf16_res32", True, False, 10, 2),
@@ -933,10 +946,12 @@ def test_smem_kernel_compiles_for_sm90():
                                                    (16384, "fp16", False, True, 8, 4),
                                                    (65536, "bf16", False, True, 8, 4),
                                                    (16384, "fp32", False, True, 16, 8),
-                                                   (16384, "bf16_res32", False, True, 12, 4)):  # fmt: skip
+                                                   (16384, "bf16_res32", False, True, 12, 4),
+                                                   (20480, "bf16", False, True, 8, 4)):  # fmt: skip
         width, split, stages, _ = config.bwd_smem_slices(n, staged, weight, x1)
+        block, tail = config.slice_parts(width)
         line = re.search(rf"dtype={dtype} n={n} residual={residual} x1={x1} .*",
                          out.stdout).group(0)  # fmt: skip
-        assert f"block,tail,stages,split={(width, 0, stages, split)}" in line, line
+        assert f"block,tail,stages,split={(block, tail, stages, split)}" in line, line
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         assert width * (weight + stages * staged) <= shared <= 227 * 1024, line
