@@ -909,11 +909,13 @@ def bwd_smem_slices(
         if n_cols % width == 0 and split >= 2 and fits:
             return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
         width //= 2
+    # Two slices of a power of two + a tail (whole multiples of 16 columns each), 2 rows deep.
     width = n_cols // 2
     block, tail = slice_parts(width)
-    if (x1 and BWD_SMEM_X1_TAILS and n_cols % 32 == 0 and block <= BWD_SMEM_SLICE_MAX
-            and 4 * tail >= block and tail & (tail - 1) == 0
-            and width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES):  # fmt: skip
+    tailed = x1 and BWD_SMEM_X1_TAILS and n_cols % 32 == 0 and block <= BWD_SMEM_SLICE_MAX
+    tailed = tailed and 4 * tail >= block and tail & (tail - 1) == 0
+    tailed = tailed and width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES
+    if tailed and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES:
         return width, 2, 2, False
     return None
 
@@ -935,16 +937,16 @@ def bwd_smem_partials(
     with x1's gradient the same tensor as x's, and a residual as "residual" has it: taken
     where BWD_SMEM_X1) or None (anything the kernel does not do: x1's gradient of its own,
     rowscale, layerscale). Further: two partials (the weight's and the bias's; with "x1" four,
-    the second weight's and bias's too), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of
-    multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA GPU of
-    compute capability 9 or more whose blocks may take Hopper's shared memory; and either whole
-    rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and parameters (not
-    ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or rows in slices
-    (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes`` per column, the
-    staged rows' s, dy and any dresidual_out and dy1): of x alone, or with a residual of 4-byte
-    elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters,
-    x1's path of 16-bit elements always in slices. The kernel is Gluon's: never under the
-    interpreter."""
+    the second weight's and bias's too), bwd_smem_width's widths, the rows' tensors 16-byte
+    aligned with row strides of multiples of 16 elements (``aligned``: its copies move 16
+    bytes), on an NVIDIA GPU of compute capability 9 or more whose blocks may take Hopper's
+    shared memory; and either whole rows of 16-bit elements (``elem_bytes``, the widest row
+    tensor's) and parameters (not ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or
+    rows in slices (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes``
+    per column, the staged rows' s, dy and any dresidual_out and dy1, beside weights of
+    ``w4``'s bytes): of x alone, or with a residual of 4-byte elements in at most
+    BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters; x1's path always in
+    slices. The kernel is Gluon's: never under the interpreter."""
     if not BWD_SMEM_PARTIALS or (partials, kind) not in ((2, "plain"), (2, "residual"), (4, "x1")):
         return False
     if (kind == "residual" and not BWD_SMEM_RESIDUAL) or (kind == "x1" and not BWD_SMEM_X1):

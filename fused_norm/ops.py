@@ -390,6 +390,12 @@ def _staged_bytes(s, dy, dresidual_out, dy1) -> int:
     return sum(t.element_size() for t in (s, dy, dresidual_out, dy1) if t is not None)
 
 
+def _weight_bytes(weight_dtype, weight1_dtype) -> int:
+    """Bytes per column of the weights smem_kernels' sliced backward holds in shared memory:
+    the weight and any second weight (weight1), each as stored."""
+    return weight_dtype.itemsize + (0 if weight1_dtype is None else weight1_dtype.itemsize)
+
+
 def _aligned16(t) -> bool:
     """Whether a 2-D tensor's address is 16-byte aligned and its row stride a multiple of 16
     elements (what Triton specialises a kernel on: config.bwd_smem_partials)."""
@@ -534,7 +540,7 @@ def _bwd_kernel_plan(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
             dresidual_out is not None, dresidual is not None, dropout_p > 0.0, weight_dtype,
             _staged_bytes(s, dy, dresidual_out, dy1) if num_chunks > 1 else 0,
-            weight1 is not None, has_b1,
+            None if weight1 is None else weight1.dtype, has_b1,
         )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -560,8 +566,8 @@ def _bwd_kernel_plan(
 
 def smem_flags(
     n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
-    store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0, has_w1=False,
-    has_b1=False,
+    store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0,
+    weight1_dtype=None, has_b1=False,
 ) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
     elements (s's; config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
@@ -570,12 +576,13 @@ def smem_flags(
     ``weight_dtype`` decides where partial dW and the weight are kept (config.bwd_smem_dw_regs).
     ``sliced_bytes`` > 0: the row is taken in slices (config.bwd_smem_slices), its staged rows
     that many bytes per column; partial dW then in registers, the weight in shared memory.
-    ``has_w1`` (in slices): a second output (x1's path) with a second weight, and with
-    ``has_b1`` a second bias."""
+    ``weight1_dtype`` (in slices): a second output (x1's path) with a second weight of that
+    dtype, and with ``has_b1`` a second bias."""
     warps = config.BWD_SMEM_WARPS
+    has_w1 = weight1_dtype is not None
     if sliced_bytes:
         width, split, stages, lag = config.bwd_smem_slices(
-            n, sliced_bytes, weight_dtype.itemsize * (1 + has_w1), has_w1
+            n, sliced_bytes, _weight_bytes(weight_dtype, weight1_dtype), has_w1
         )
         (block, tail), dw_regs = config.slice_parts(width), True
     else:
@@ -751,7 +758,7 @@ def _bwd_make_plan(
     if smem:  # one program per SM (its shared memory), the row held whole or in slices
         warps = config.BWD_SMEM_WARPS
         if config.bwd_smem_sliced(n, elem_bytes, kind):  # slices exchanging their row sums
-            weight_bytes = weight.element_size() * (1 + (weight1 is not None))
+            weight_bytes = _weight_bytes(weight.dtype, None if weight1 is None else weight1.dtype)
             block_n, num_chunks, _, _ = config.bwd_smem_slices(
                 n, staged, weight_bytes, kind == "x1"
             )

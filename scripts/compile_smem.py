@@ -64,7 +64,7 @@ def flags(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False)
     sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes), kind)
     return ops.smem_flags(
         n, s_bytes, False, True, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
-        staged if sliced else 0, x1, x1,
+        staged if sliced else 0, TORCH[DTYPES[dtype][1]] if x1 else None, x1,
     )  # fmt: skip
 
 
