@@ -910,10 +910,11 @@ def bwd_smem_slices(
             return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
         width //= 2
     # Two slices of a power of two + a tail (whole multiples of 16 columns each), 2 rows deep.
+    if not (x1 and BWD_SMEM_X1_TAILS and n_cols >= 32 and n_cols % 32 == 0):
+        return None
     width = n_cols // 2
     block, tail = slice_parts(width)
-    tailed = x1 and BWD_SMEM_X1_TAILS and n_cols % 32 == 0 and block <= BWD_SMEM_SLICE_MAX
-    tailed = tailed and 4 * tail >= block and tail & (tail - 1) == 0
+    tailed = block <= BWD_SMEM_SLICE_MAX and 4 * tail >= block and tail & (tail - 1) == 0
     tailed = tailed and width * staged_bytes >= BWD_SMEM_SLICE_MIN_BYTES
     if tailed and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES:
         return width, 2, 2, False

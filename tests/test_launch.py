@@ -766,6 +766,11 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_slices(20480, 6, 4, True) is None  # 60 KB
     assert config.bwd_smem_slices(12288, 8, 4, True) is None  # 48 KB
     assert config.bwd_smem_partials(**{**x1, "n_cols": 20480})
+    # Any width asks (bwd_smem_partials asks before it checks the width): no slices, no error.
+    for n, x1_path in itertools.product(range(0, 70), (False, True)):
+        assert config.bwd_smem_slices(n, 8, 4, x1_path) is None
+        case = {**x1, "n_cols": n} if x1_path else {**ok, **fp32, "n_cols": n}
+        assert not config.bwd_smem_partials(**case)
     with monkeypatch.context() as mp:
         mp.setattr(config, "BWD_SMEM_X1_TAILS", False)
         assert config.bwd_smem_slices(20480, 8, 4, True) is None
