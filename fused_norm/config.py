@@ -952,6 +952,9 @@ def bwd_smem_partials(
         return False
     if (kind == "residual" and not BWD_SMEM_RESIDUAL) or (kind == "x1" and not BWD_SMEM_X1):
         return False
+    # The cheap tests first: most rows are not of the kernel's widths.
+    if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
+        return False
     if bwd_smem_sliced(n_cols, elem_bytes, kind):
         x1 = kind == "x1"
         slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + x1), x1)
@@ -960,8 +963,6 @@ def bwd_smem_partials(
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False
     elif elem_bytes != 2 or w4 or (kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS):
-        return False
-    if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
         return False
     from . import smem_kernels
 

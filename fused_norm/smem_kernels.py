@@ -302,7 +302,7 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_smem_kernel(
         S,         # (M, N) the normalised pre-norm sum
-        W,         # (N,) weight (16-bit)
+        W,         # (N,) weight (as stored: 16-bit, or fp32 in slices)
         W1,        # (N,) second weight (if HAS_W1)
         MEAN,      # (M,) fp32 (if not IS_RMS_NORM)
         RSTD,      # (M,) fp32
