@@ -478,6 +478,23 @@ FWD_SPLIT_DROPOUT_64K_BYTES = 4096
 FWD_SPLIT_WARPS = 4
 FWD_SPLIT_MAX_POLLS = 0
 FWD_SPLIT_SUB_N = 128
+# The split forward's and the exchanging backwards' workspaces reset by the launch before
+# (workspace.py) instead of filled by a kernel before each launch (bench/NOTES.md #76).
+# ``FUSED_NORM_WS_SELF_CLEARING=0`` turns it off.
+WS_SELF_CLEARING = os.environ.get("FUSED_NORM_WS_SELF_CLEARING", "1") != "0"
+# fp32 RMSNorm rows wider than this many columns keep a fresh workspace per split forward
+# (fwd_ws_reset).
+FWD_WS_RESET_RMS4_MAX_N = 65536
+
+
+def fwd_ws_reset(is_rms_norm: bool, elem_bytes: int, n_cols: int) -> bool:
+    """Whether a split forward's parts zero their words of the next split launch's workspace
+    (kernels._fwd_split_row, workspace.py), so that it needs no fill kernel; else every launch
+    fills a fresh one. The one store moves ptxas's schedule: for RMSNorm rows of 4-byte
+    elements wider than FWD_WS_RESET_RMS4_MAX_N it took 54 -> 68 registers at 131072 columns
+    (18 -> 14 programs per SM, offline, triton 3.6) and 274.8 -> 284.0 us (H200, 2026-11-25,
+    bench/NOTES.md #76); those rows keep the fill."""
+    return not (is_rms_norm and elem_bytes == 4 and n_cols > FWD_WS_RESET_RMS4_MAX_N)
 
 
 def fwd_split(

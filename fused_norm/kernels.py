@@ -448,7 +448,7 @@ def _publish_missing_parts(
 @triton.jit
 def _fwd_split_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
-    MEAN, RSTD, WS, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
+    MEAN, RSTD, WS, WS_NEXT, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
     stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
     BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
@@ -478,6 +478,12 @@ def _fwd_split_row(
     partly filled last part, for a reason not found (bench/NOTES.md #21).
     """
     pid = tl.program_id(0).to(tl.int64)
+    # This part's word of the next split launch's workspace is zeroed for it (workspace.py):
+    # first thing for RMSNorm, right after the publish for LayerNorm. Where the store goes
+    # moves ptxas's schedule: the other place cost RMSNorm at 256K 7 us (56 -> 70 registers)
+    # and LayerNorm at 128K 7 us (same registers), bench/NOTES.md #76.
+    if IS_RMS_NORM and WS_NEXT is not None:  # (None: config.fwd_ws_reset)
+        tl.store(WS_NEXT + pid, tl.zeros((), dtype=tl.int64))
     row = pid // SPLIT
     part = pid % SPLIT
     col0 = part * BLOCK_N
@@ -511,6 +517,8 @@ def _fwd_split_row(
             m2 = tl.sum(d * d, axis=0)
         word = _pack_stats(mean_p, m2)
     tl.atomic_cas(WS + row * SPLIT + part, tl.zeros((), dtype=tl.int64), word, sem="relaxed")
+    if not IS_RMS_NORM and WS_NEXT is not None:
+        tl.store(WS_NEXT + row * SPLIT + part, tl.zeros((), dtype=tl.int64))
     parts = tl.arange(0, SPLIT_P2)
     pmask = parts < SPLIT
     ptrs = WS + row * SPLIT + parts
@@ -607,6 +615,8 @@ def _fused_norm_fwd_kernel(
     MEAN,          # (M,) fp32 mean (if not IS_RMS_NORM)
     RSTD,          # (M,) fp32 1 / std
     WS,            # (M * SPLIT,) int64 zeros: the parts' statistics words (if SPLIT > 1)
+    WS_NEXT,       # (M * SPLIT,) the next split launch's workspace: each part zeroes its word
+                   # (None: not, config.fwd_ws_reset)
     stride_x_row, stride_y_row, stride_res_row, stride_x1_row, stride_y1_row,
     stride_res_out_row,
     M, N,          # rows, columns
@@ -645,7 +655,7 @@ def _fused_norm_fwd_kernel(
     if SPLIT > 1:
         _fwd_split_row(
             X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
-            MASK, MASK1, MEAN, RSTD, WS, cols, stride_x_row, stride_y_row, stride_res_row,
+            MASK, MASK1, MEAN, RSTD, WS, WS_NEXT, cols, stride_x_row, stride_y_row, stride_res_row,
             stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
@@ -913,6 +923,13 @@ def _publish_block_sums(
 
 
 @triton.jit
+def _reset_word(WS_NEXT, row, col0, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    """Set the word that this program publishes for ``row`` to -1 in the next exchanging
+    launch's workspace (workspace.py): the owner does it, never the interpreter's fallback."""
+    tl.store(WS_NEXT + row * NUM_CHUNKS + col0 // BLOCK_N, tl.full((), -1, dtype=tl.int64))
+
+
+@triton.jit
 def _add_triples(m1, a1, b1, m2, a2, b2):
     return m1 + m2, a1 + a2, b1 + b2
 
@@ -1076,6 +1093,8 @@ def _fused_norm_bwd_kernel(
     C12,           # rows wider than a block (NUM_CHUNKS > 1): (M, 2) fp32 c1, c2 of each row
                    # from _bwd_row_sums_kernel, or with EXCHANGE (M, NUM_CHUNKS) int64 words of
                    # the column blocks' partial sums, -1 until published
+    WS_NEXT,       # EXCHANGE: the next exchanging launch's workspace, (M, NUM_CHUNKS): each
+                   # program sets the words it publishes in C12 to -1 there (workspace.py)
     stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_x0_row,
     stride_dx_row, stride_dx1_row, stride_dres_row, stride_part,
     M, N,
@@ -1155,6 +1174,7 @@ def _fused_norm_bwd_kernel(
                 stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS, IS_RMS_NORM,
                 HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
             )  # fmt: skip
+            _reset_word(WS_NEXT, row_start, col0, BLOCK_N, NUM_CHUNKS)
         for row in tl.range(row_start, row_end, num_stages=ROW_STAGES):
             if EXCHANGE and row + 1 < row_end:
                 _publish_block_sums(
@@ -1162,6 +1182,7 @@ def _fused_norm_bwd_kernel(
                     stride_s_row, stride_dy_row, stride_dy1_row, BLOCK_N, NUM_CHUNKS,
                     IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
                 )  # fmt: skip
+                _reset_word(WS_NEXT, row + 1, col0, BLOCK_N, NUM_CHUNKS)
             xhat, dy, dy1, wdy = _row_grads(
                 S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
                 stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,

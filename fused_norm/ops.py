@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from triton.runtime.errors import OutOfResources
 
-from . import config
+from . import config, workspace
 from .kernels import (
     _bwd_row_sums_kernel,
     _fused_norm_bwd_kernel,
@@ -189,21 +189,25 @@ def _fwd_run(
             *key[:7], bias is not None, weight1 is not None, bias1 is not None, *key[7:13],
             _param_bytes(weight, bias, weight1, bias1),
         )  # fmt: skip
-    split, rows, num_warps, maxnreg, constexprs = plan
-    ws = None
-    if split > 1:  # one row over `split` programs; the statistics meet in `ws`
+    split, rows, num_warps, maxnreg, constexprs, ws_reset = plan
+    ws = ws_next = pair = None
+    if split > 1:  # one row over `split` programs; the statistics meet in `ws` (zeros)
         grid = (m * split,)
-        ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
+        if ws_reset:
+            ws, ws_next, pair = workspace.take(dev, m * split, 0)
+        else:  # no WS_NEXT: the kernel without the store (config.fwd_ws_reset)
+            ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
     else:
         grid = (config.cdiv(m, rows),)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
-         rowscale, layerscale, seeds, mask, mask1, mean, rstd, ws,
+         rowscale, layerscale, seeds, mask, mask1, mean, rstd, ws, ws_next,
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
         constexprs, num_warps, on_miss=on_miss, maxnreg=maxnreg,
     )  # fmt: skip
+    workspace.done(pair, m * split)
 
 
 # _fwd_run's key -> _fwd_plan's answer (emptied when a setting of config changes).
@@ -228,7 +232,8 @@ def _fwd_plan(
     weight_bytes=2,
 ):  # fmt: skip
     """The forward's launch choices for rows of ``n`` columns: ``(split, rows per program,
-    num_warps, maxnreg, constexprs)``; ``split`` > 1 spreads a row over that many programs.
+    num_warps, maxnreg, constexprs, ws_reset)``; ``split`` > 1 spreads a row over that many
+    programs, ``ws_reset``: their workspace clears itself (config.fwd_ws_reset).
     ``weight_bytes``: of the widest weight or bias element (fp32 parameters read again for
     every row cost twice the L2 traffic of 16-bit ones: config.fwd_split, fwd_split_warps,
     fwd_block_choice)."""
@@ -298,7 +303,8 @@ def _fwd_plan(
         if own
         else config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
     )
-    return split, rows, num_warps, maxnreg, constexprs
+    ws_reset = split > 1 and config.fwd_ws_reset(is_rms_norm, elem_bytes, n)
+    return split, rows, num_warps, maxnreg, constexprs, ws_reset
 
 
 _fwd_op = torch.library.custom_op(
@@ -465,13 +471,14 @@ def _bwd_plan(
 
 def _bwd_args(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
-    dx, dx1, dresidual, parts, c12, dropout_p, programs,
+    dx, dx1, dresidual, parts, c12, dropout_p, programs, ws_next,
 ):  # fmt: skip
-    """The backward kernel's runtime arguments, for a grid of ``programs`` row blocks."""
+    """The backward kernel's runtime arguments, for a grid of ``programs`` row blocks
+    (``ws_next``: the next exchanging launch's workspace, workspace.take)."""
     m, n = s.shape
     return (
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-        seeds, dx, dx1, dresidual, parts, c12,
+        seeds, dx, dx1, dresidual, parts, c12, ws_next,
         s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), _stride0(x0),
         dx.stride(0), _stride0(dx1), _stride0(dresidual), programs * n,
         m, n, dropout_p, config.cdiv(m, programs), config.BWD_EXCHANGE_MAX_POLLS,
@@ -514,7 +521,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
     )  # fmt: skip
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds, dx,
-        dx1, dresidual, parts, c12, dropout_p, 1,
+        dx1, dresidual, parts, c12, dropout_p, 1, c12,
     )  # fmt: skip
     return _fitting_stages(
         lambda f: _BWD.resident(dev, args, f, warps, maxnreg=maxnreg), flags, key
@@ -616,7 +623,7 @@ def _bwd_run(
     s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale, seeds,
     dx, dx1, dresidual, parts, c12, g0, g1, g2, g3, g4, has_bias, has_b1, dropout_p,
     is_rms_norm, zero_centered_weight, block_n, num_chunks, tail, smem, warps, max_programs,
-    warm=False, kplan=None,
+    warm=False, kplan=None, ws_next=None,
 ):  # fmt: skip
     """Launch the backward and the sum of its partials into the gradients ``g0``.. (one per
     partial, None beyond), or with ``warm`` only start compiling its kernels (outputs may then
@@ -625,10 +632,13 @@ def _bwd_run(
     ``block_n`` is the padded block, held as two (``block_n // 2`` then ``tail`` columns) where
     ``tail`` > 0; fused_norm_bwd chose them, and ``smem``: smem_kernels' kernel instead of
     kernels.py's (one-block rows). ``kplan``: _bwd_kernel_plan's answer where the caller has
-    it."""
+    it. ``ws_next``: the next exchanging launch's workspace (workspace.take; None: a scratch
+    one, or for a warm-up ``c12``)."""
     m, n = s.shape
     if m == 0:
         return
+    if ws_next is None and _exchanges(c12):
+        ws_next = c12 if warm else torch.empty_like(c12)
     partials, programs = parts.shape[0], parts.shape[1]
     dev = s.device
     if kplan is None:  # the custom op's body (torch.compile): plans kept by its arguments
@@ -652,7 +662,7 @@ def _bwd_run(
     if smem:
         args = (
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, seeds, dx, dresidual, parts,
-            c12, s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out),
+            c12, ws_next, s.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out),
             dx.stride(0), _stride0(dresidual), programs * n, m, n, config.cdiv(m, programs),
             dropout_p,
         )  # fmt: skip
@@ -668,7 +678,7 @@ def _bwd_run(
         )  # fmt: skip
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
-        seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs,
+        seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs, ws_next,
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
     if warm:
@@ -860,13 +870,14 @@ def fused_norm_bwd(
     dx = empty((m, n), x_dtype)
     dresidual = empty((m, n), residual_dtype) if plan.own_dresidual else None
     dx1 = empty((m, n), x1_dtype) if plan.own_dx1 else None
-    c12 = None
+    c12 = ws_next = ws_pair = None
     if plan.c12 == torch.int64:  # words of the row sums, -1 until published
-        c12 = (
-            Stand(torch.int64, (m, num_chunks))
-            if warm
-            else torch.full((m, num_chunks), -1, dtype=torch.int64, device=dev)
-        )
+        if warm:
+            c12 = Stand(torch.int64, (m, num_chunks))
+        elif compiling or m == 0:  # (torch.compile traces the buffer: a fresh one)
+            c12 = torch.full((m, num_chunks), -1, dtype=torch.int64, device=dev)
+        else:
+            c12, ws_next, ws_pair = workspace.take(dev, m * num_chunks, -1)
     elif plan.c12 is not None:
         c12 = empty((m, 2), torch.float32)
     params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
@@ -891,7 +902,8 @@ def fused_norm_bwd(
         if compiling:
             _bwd_op(*args)
         else:
-            _bwd_run(*args, kplan=plan.kplan)
+            _bwd_run(*args, kplan=plan.kplan, ws_next=ws_next)
+            workspace.done(ws_pair, m * num_chunks)
     dw, db, dw1, db1, dls = (
         grads.pop(0) if p is not None else None for p in (weight, bias, weight1, bias1, layerscale)
     )

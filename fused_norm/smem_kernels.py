@@ -240,10 +240,12 @@ if AVAILABLE:
                 gl.store(part + (2 + HAS_BIAS) * slab + cols, db1, mask=cols < N)
 
     @gluon.jit
-    def _publish_sums(WS, row, p1, p2, part, SPLIT: gl.constexpr):
+    def _publish_sums(WS, WS_NEXT, row, p1, p2, part, SPLIT: gl.constexpr):
         """Publish this program's (slice ``part``) partial row sums p1, p2 of ``row`` as one
-        word (kernels._pack_sums) in WS[row, part]."""
+        word (kernels._pack_sums) in WS[row, part], and set the same word of the next sliced
+        launch's workspace, WS_NEXT, to -1 for it (workspace.py)."""
         gl.atomic_xchg(WS + row * SPLIT + part, _pack_sums(p1, p2), sem="relaxed")
+        gl.store(WS_NEXT + row * SPLIT + part, -1)
 
     @gluon.jit
     def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -314,6 +316,7 @@ if AVAILABLE:
         DRES,      # (M, N) grad of the residual (if STORE_DRESIDUAL)
         PARTS,     # fp32 partial dW, then dB, dW1, dB1 (those present): one (P, N) slab each, stride_part apart
         WS,        # SPLIT > 1: (M, SPLIT) int64 words of the slices' partial row sums, -1 until published
+        WS_NEXT,   # SPLIT > 1: the next sliced launch's workspace: published words set to -1 there
         stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_dx_row,
         stride_dres_row, stride_part,
         M, N,
@@ -384,7 +387,7 @@ if AVAILABLE:
             if row_start < row_end:
                 p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, 0, layout, wf, w1f, mean, rstd,
                                      DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
-                _publish_sums(WS, row_start, p1, p2, part, SPLIT)
+                _publish_sums(WS, WS_NEXT, row_start, p1, p2, part, SPLIT)
         for row in range(row_start, row_end):
             i = (row - row_start).to(gl.int32)
             rstd_next, mean_next = _row_ahead(
@@ -400,7 +403,7 @@ if AVAILABLE:
                     p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, (i + 1) % STAGES, layout, wf,
                                          w1f, mean_next, rstd_next, DW_REGS,
                                          ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
-                    _publish_sums(WS, row + 1, p1, p2, part, SPLIT)
+                    _publish_sums(WS, WS_NEXT, row + 1, p1, p2, part, SPLIT)
                 c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
                 slot = i % STAGES
             else:
@@ -417,7 +420,7 @@ if AVAILABLE:
                     c1 += t1
                     c2 += t2
                 if SPLIT > 1:  # the slices' sums, exchanged
-                    _publish_sums(WS, row, c1, c2, part, SPLIT)
+                    _publish_sums(WS, WS_NEXT, row, c1, c2, part, SPLIT)
                     c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
             c1 = c1 / N
             c2 = c2 / N

@@ -91,7 +91,7 @@ def compile_width(n: int, dtype: str = "bf16", residual: bool = False, x1: bool 
     stream, xw = DTYPES[dtype]
     constexprs = flags(n, dtype, residual, x1)
     warps = constexprs["NUM_WARPS"]
-    names = ("S W W1 MEAN RSTD DY DY1 DRES_OUT SEEDS DX DRES PARTS WS stride_s_row "
+    names = ("S W W1 MEAN RSTD DY DY1 DRES_OUT SEEDS DX DRES PARTS WS WS_NEXT stride_s_row "
              "stride_dy_row stride_dy1_row stride_dres_out_row stride_dx_row stride_dres_row "
              "stride_part M N rows_per_program dropout_p").split()  # fmt: skip
     absent = "constexpr"  # absent tensors are None (constexprs)
@@ -102,10 +102,11 @@ def compile_width(n: int, dtype: str = "bf16", residual: bool = False, x1: bool 
         "SEEDS": constexprs["HAS_DROPOUT"],
         "DRES": constexprs["STORE_DRESIDUAL"],
         "WS": constexprs["SPLIT"] > 1,
+        "WS_NEXT": constexprs["SPLIT"] > 1,
     }
     types = {"S": stream, "W": xw, "W1": xw, "MEAN": "fp32", "RSTD": "fp32", "DY": xw,
              "DY1": xw, "DRES_OUT": stream, "SEEDS": "i64", "DX": xw, "DRES": stream,
-             "PARTS": "fp32", "WS": "i64"}  # fmt: skip
+             "PARTS": "fp32", "WS": "i64", "WS_NEXT": "i64"}  # fmt: skip
     sig = {name: f"*{dt}" if present.get(name, True) else absent for name, dt in types.items()}
     sig.update({name: "i32" for name in names[len(types) : -1]})
     sig.update(dropout_p="fp32")

@@ -1,0 +1,109 @@
+"""Exchange workspaces that clear themselves, so that no fill kernel runs before a launch.
+
+The split forward (a row over several programs) and the exchanging backwards (a row's column
+blocks or slices) publish per-row words into an int64 workspace whose every word must start at
+a known value (the forward's 0, the backward's -1). Filling a fresh buffer is a kernel of its
+own: about 1 µs plus the gap before the next kernel, per call (bench/NOTES.md #58, #76).
+
+Instead each (thread, device, stream, fill value) keeps a pair of buffers and alternates between
+them. A launch publishes into one, whose words it needs are clean, and each program sets the
+words it publishes to the fill value in the other one too: so the launch leaves the other
+buffer's first ``words`` words clean for the next launch. Launches on one stream run in order:
+the next launch, which takes the other buffer, starts after those stores, and after the launch
+before, which used it, has finished.
+
+The host keeps, per buffer, the range of words that may be dirty. A launch needing more words
+than the launch before it cleaned (the row count grew) first has the rest filled, by a fill
+kernel as before, and a pair is too small it is replaced by a bigger one; with a fixed shape
+neither happens after the first call. A buffer is handed out marked busy until :func:`done`
+says its launch is enqueued, so a launch that raises, or anything interrupting in between,
+leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
+two threads issuing on one stream could otherwise enqueue in another order than they took
+buffers. Under CUDA graph capture a replay repeats the captured launches with the same
+buffers, so there (and with ``config.WS_SELF_CLEARING`` off) every call gets a freshly filled
+buffer, as before, and a scratch one for the words the kernel would set.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from . import config
+
+_LOCAL = threading.local()
+
+
+class _Pair:
+    """Two workspaces of ``cap`` words (rows of ``bufs``), the one the next launch takes
+    (``cur``), per buffer the range [lo, hi) of words that may not hold the fill value
+    (empty: lo >= hi), and whether a launch that took a buffer has not been reported
+    enqueued yet (``busy``)."""
+
+    __slots__ = ("bufs", "cap", "cur", "lo", "hi", "busy")
+
+    def __init__(self, words: int, fill: int, dev: torch.device):
+        self.cap = max(256, 1 << (words - 1).bit_length())  # a power of two: 16-byte rows
+        self.bufs = torch.full((2, self.cap), fill, dtype=torch.int64, device=dev)
+        self.cur = 0
+        self.lo = [0, 0]
+        self.hi = [0, 0]
+        self.busy = False
+
+
+def _capturing(dev: torch.device) -> bool:
+    """Whether ``dev``'s current stream is being captured into a CUDA graph."""
+    if dev.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(dev):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def take(dev: torch.device, words: int, fill: int) -> tuple:
+    """``(ws, ws_next, pair)`` for one launch publishing ``words`` words: ``ws`` holds them
+    equal to ``fill``; the launch sets the same words of ``ws_next`` to ``fill``, and
+    :func:`done` is called with ``pair`` once it is enqueued (``pair`` None: a fresh buffer,
+    and ``ws_next`` a scratch one that nothing reads)."""
+    words = max(words, 1)
+    if not config.WS_SELF_CLEARING or (dev.type == "cuda" and _capturing(dev)):
+        both = torch.full((2, (words + 1) & ~1), fill, dtype=torch.int64, device=dev)  # 16 B rows
+        return both[0], both[1], None
+    stream = 0
+    if dev.type == "cuda":
+        if dev.index is None:  # (tensors' devices have their index)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+    pairs = getattr(_LOCAL, "pairs", None)
+    if pairs is None:
+        pairs = _LOCAL.pairs = {}
+    key = (dev, stream, fill)
+    pair: Optional[_Pair] = pairs.get(key)
+    if pair is None or pair.cap < words or pair.busy:
+        pair = pairs[key] = _Pair(words, fill, dev)
+    cur = pair.cur
+    lo, hi = pair.lo[cur], pair.hi[cur]
+    if lo < min(hi, words):  # words this launch needs were not cleaned for it
+        pair.bufs[cur, lo:hi].fill_(fill)
+        pair.lo[cur] = pair.hi[cur] = 0
+    pair.busy = True
+    return pair.bufs[cur], pair.bufs[1 - cur], pair
+
+
+def done(pair: Optional[_Pair], words: int) -> None:
+    """The launch that took ``pair`` (:func:`take`) is enqueued; it publishes ``words`` words
+    of its buffer and sets the same words of the other one: that one is the next taken."""
+    if pair is None:
+        return
+    words = max(words, 1)
+    cur, other = pair.cur, 1 - pair.cur
+    # this buffer: [0, words) published, besides what was dirty beyond them
+    pair.hi[cur] = max(words, pair.hi[cur] if pair.lo[cur] < pair.hi[cur] else 0)
+    pair.lo[cur] = 0
+    # the other: [0, words) cleaned
+    pair.lo[other] = max(pair.lo[other], words)
+    if pair.lo[other] >= pair.hi[other]:
+        pair.lo[other] = pair.hi[other] = 0
+    pair.cur = other
+    pair.busy = False
