@@ -480,7 +480,7 @@ def _fwd_split_row(
     pid = tl.program_id(0).to(tl.int64)
     # This part's word of the next split launch's workspace is zeroed for it (workspace.py):
     # first thing for RMSNorm, right after the publish for LayerNorm. Where the store goes
-    # moves ptxas's schedule: the other place cost RMSNorm at 256K 7 us (56 -> 70 registers)
+    # moves ptxas's schedule: the other place cost RMSNorm at 256K 9 us (56 -> 70 registers)
     # and LayerNorm at 128K 7 us (same registers), bench/NOTES.md #76.
     if IS_RMS_NORM and WS_NEXT is not None:  # (None: config.fwd_ws_reset)
         tl.store(WS_NEXT + pid, tl.zeros((), dtype=tl.int64))

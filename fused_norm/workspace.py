@@ -14,8 +14,9 @@ before, which used it, has finished.
 
 The host keeps, per buffer, the range of words that may be dirty. A launch needing more words
 than the launch before it cleaned (the row count grew) first has the rest filled, by a fill
-kernel as before, and a pair is too small it is replaced by a bigger one; with a fixed shape
-neither happens after the first call. A buffer is handed out marked busy until :func:`done`
+kernel as before, and a pair too small is replaced by a bigger one; with a fixed shape neither
+happens after the first call. The pairs stay allocated (16 bytes a word, a word per row and
+part or slice: 512 KB for 1024 rows of 32 parts). A buffer is handed out marked busy until :func:`done`
 says its launch is enqueued, so a launch that raises, or anything interrupting in between,
 leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
 two threads issuing on one stream could otherwise enqueue in another order than they took
