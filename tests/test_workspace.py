@@ -1,11 +1,12 @@
 """The exchange workspaces that clear themselves (fused_norm/workspace.py).
 
 A split forward publishes into a workspace of zeros and an exchanging backward into one of -1s;
-each launch resets the other buffer of its pair for the next launch on its stream. A reset that
-missed words would leave an earlier call's published words where the next call waits for its
+each launch sets the words it publishes to those values in the other buffer of its pair too,
+for the next launch on its stream, and the host fills what a growing launch needs beyond them.
+A missed word would leave an earlier call's published word where the next call waits for its
 own: under the interpreter (and on a GPU) that call would take the stale statistics or row sums
 and its outputs or gradients would be wrong, which the reference comparisons here catch; the
-tests also read the buffer the next launch takes and check every word of it.
+tests also read the buffer the next launch takes and check every word the host counts clean.
 """
 
 from __future__ import annotations
