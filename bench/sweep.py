@@ -198,11 +198,11 @@ def plan_desc(mode: str, evict: str) -> str:
         plans = list(ops._FWD_PLANS.values())
         if len(plans) != 1:
             return f"fwd plans={len(plans)}"
-        split, rows, warps, maxnreg, c = plans[0]
+        split, rows, warps, maxnreg, c, ws_reset = plans[0]
         block = 2 * c["BLOCK_N"] if c["TAIL_N"] else c["BLOCK_N"]  # a padded block as two
         return (f"warps={warps} rows={rows} split={block}x{split} chunks={c['NUM_CHUNKS']} "
                 f"maxnreg={maxnreg} tail={c['TAIL_N']} hold={c['HOLD'] > 0} evict={evict} "
-                f"unroll={c['UNROLL']}")  # fmt: skip
+                f"unroll={c['UNROLL']} ws_reset={ws_reset}")  # fmt: skip
     plans = list(ops._BWD_PLANS.values())
     if len(plans) != 1:
         return f"bwd plans={len(plans)}"

@@ -348,3 +348,23 @@ def test_rule_keeps_the_fill_for_wide_fp32_rms_rows():
             assert plan(n, bf16, True, stream=fp32)[5] == (n <= 65536)  # fp32 stream: 4 bytes
             assert plan(n, fp32, True)[5] == (n <= 65536)
         assert plan(4096, bf16, True)[:1] == (1,) and not plan(4096, bf16, True)[5]
+
+
+def test_sweep_reads_the_forward_plan():
+    """bench/sweep.py's description of the plan a variant ran unpacks ops' forward plan
+    (its sixth entry, ws_reset, broke the unpacking once)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sweep
+
+    dev = torch.device(DEVICE)
+    x = torch.randn(2, 100, device=dev)
+    w = torch.ones(100, device=dev)
+    config.settings_changed()  # ops' plan caches then hold this call's plan only
+    with split_rows(64):
+        ops.fused_norm_fwd(x, w, None, None, None, None, None, None, None, None, 1e-5, 0.0, True,
+                           False, x.dtype, x.dtype, False)  # fmt: skip
+        desc = sweep.plan_desc("fwd", "auto")
+    assert "ws_reset=True" in desc and "x1 " not in desc, desc
