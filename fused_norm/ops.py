@@ -207,7 +207,7 @@ def _fwd_run(
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
         constexprs, num_warps, on_miss=on_miss, maxnreg=maxnreg,
     )  # fmt: skip
-    workspace.done(pair, m * split)
+    workspace.done(pair)
 
 
 # _fwd_run's key -> _fwd_plan's answer (emptied when a setting of config changes).
@@ -903,7 +903,7 @@ def fused_norm_bwd(
             _bwd_op(*args)
         else:
             _bwd_run(*args, kplan=plan.kplan, ws_next=ws_next)
-            workspace.done(ws_pair, m * num_chunks)
+            workspace.done(ws_pair)
     dw, db, dw1, db1, dls = (
         grads.pop(0) if p is not None else None for p in (weight, bias, weight1, bias1, layerscale)
     )

@@ -16,9 +16,9 @@ The host keeps, per buffer, the range of words that may be dirty. A launch needi
 than the launch before it cleaned (the row count grew) first has the rest filled, by a fill
 kernel as before, and a pair too small is replaced by a bigger one; with a fixed shape neither
 happens after the first call. The pairs stay allocated (16 bytes a word, a word per row and
-part or slice: 512 KB for 1024 rows of 32 parts). A buffer is handed out marked busy until :func:`done`
-says its launch is enqueued, so a launch that raises, or anything interrupting in between,
-leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
+part or slice: 512 KB for 1024 rows of 32 parts). A buffer handed out stays pending until
+:func:`done` says its launch is enqueued, so a launch that raises, or anything interrupting in
+between, leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
 two threads issuing on one stream could otherwise enqueue in another order than they took
 buffers. Under CUDA graph capture a replay repeats the captured launches with the same
 buffers, so there (and with ``config.WS_SELF_CLEARING`` off) every call gets a freshly filled
@@ -38,27 +38,27 @@ _LOCAL = threading.local()
 
 
 class _Pair:
-    """Two workspaces of ``cap`` words (rows of ``bufs``), the one the next launch takes
-    (``cur``), per buffer the range [lo, hi) of words that may not hold the fill value
-    (empty: lo >= hi), and whether a launch that took a buffer has not been reported
-    enqueued yet (``busy``)."""
+    """Two workspaces (the rows of ``bufs``), the one the next launch takes (``cur``), per
+    buffer the range [lo, hi) of words that may not hold the fill value (empty: lo >= hi), and
+    the words of a launch that took a buffer and has not been reported enqueued (``pending``,
+    else None)."""
 
-    __slots__ = ("bufs", "cap", "cur", "lo", "hi", "busy")
+    __slots__ = ("bufs", "cur", "lo", "hi", "pending")
 
     def __init__(self, words: int, fill: int, dev: torch.device):
-        self.cap = max(256, 1 << (words - 1).bit_length())  # a power of two: 16-byte rows
-        self.bufs = torch.full((2, self.cap), fill, dtype=torch.int64, device=dev)
+        cap = max(256, 1 << (words - 1).bit_length())  # a power of two: 16-byte rows
+        self.bufs = torch.full((2, cap), fill, dtype=torch.int64, device=dev)
         self.cur = 0
         self.lo = [0, 0]
         self.hi = [0, 0]
-        self.busy = False
+        self.pending = None
 
 
 def _capturing(dev: torch.device) -> bool:
     """Whether ``dev``'s current stream is being captured into a CUDA graph."""
     if dev.index == torch.cuda.current_device():
         return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(dev):
+    with config.device_guard(dev):
         return torch.cuda.is_current_stream_capturing()
 
 
@@ -81,23 +81,23 @@ def take(dev: torch.device, words: int, fill: int) -> tuple:
         pairs = _LOCAL.pairs = {}
     key = (dev, stream, fill)
     pair: Optional[_Pair] = pairs.get(key)
-    if pair is None or pair.cap < words or pair.busy:
+    if pair is None or pair.bufs.shape[1] < words or pair.pending is not None:
         pair = pairs[key] = _Pair(words, fill, dev)
     cur = pair.cur
     lo, hi = pair.lo[cur], pair.hi[cur]
     if lo < min(hi, words):  # words this launch needs were not cleaned for it
         pair.bufs[cur, lo:hi].fill_(fill)
         pair.lo[cur] = pair.hi[cur] = 0
-    pair.busy = True
+    pair.pending = words
     return pair.bufs[cur], pair.bufs[1 - cur], pair
 
 
-def done(pair: Optional[_Pair], words: int) -> None:
-    """The launch that took ``pair`` (:func:`take`) is enqueued; it publishes ``words`` words
+def done(pair: Optional[_Pair]) -> None:
+    """The launch that took ``pair`` (:func:`take`) is enqueued; it publishes the words it took
     of its buffer and sets the same words of the other one: that one is the next taken."""
     if pair is None:
         return
-    words = max(words, 1)
+    words = pair.pending
     cur, other = pair.cur, 1 - pair.cur
     # this buffer: [0, words) published, besides what was dirty beyond them
     pair.hi[cur] = max(words, pair.hi[cur] if pair.lo[cur] < pair.hi[cur] else 0)
@@ -107,4 +107,4 @@ def done(pair: Optional[_Pair], words: int) -> None:
     if pair.lo[other] >= pair.hi[other]:
         pair.lo[other] = pair.hi[other] = 0
     pair.cur = other
-    pair.busy = False
+    pair.pending = None
