@@ -497,6 +497,38 @@ def fwd_ws_reset(is_rms_norm: bool, elem_bytes: int, n_cols: int) -> bool:
     return not (is_rms_norm and elem_bytes == 4 and n_cols > FWD_WS_RESET_RMS4_MAX_N)
 
 
+# The exchange words of a launch that clears its own workspace (workspace.py) were last
+# written, as the fill value, by the launch before: by the time a program publishes into them
+# they have left L2, and the atomic's trip to memory sits on the path of every partner's wait.
+# A prefetch into L2 at the program's start (inline PTX ``prefetch.global.L2``, one predicated
+# instruction a 128-byte line; not under the interpreter) takes them out of it. Bench-style A/B
+# in one process (H200, 2026-11-25, bench/NOTES.md #77), three rounds each:
+# - the split forward (``fwd_ws_prefetch``: the first part of each line of a row's words asks
+#   for it): LayerNorm bf16 64K / 128K / 256K 86.4 / 82.7 / 79.5 -> 88.7 / 86.0 / 81.4% of
+#   copy, fp16 128K 76.1 -> 80.0%, fp32 128K 85.2 -> 90.5%, dropout + add + LayerNorm 32K /
+#   64K / 256K 92.8 / 90.7 / 83.7 -> 94.4 / 93.1 / 85.1%, the x1 path 256K 94.7 -> 96.5%,
+#   add + RMSNorm 256K 92.3 -> 93.8%, RMSNorm 128K bf16 / fp16 89.0 / 85.9 -> 92.4 / 89.5%;
+#   but RMSNorm of x alone in more than FWD_WS_PREFETCH_RMS_MAX_PARTS parts lost or stayed
+#   (bf16 256K 88.1-88.2 -> 86.6-86.8%, fp16 256K 83.6 -> 83.7%, fp32 128K 94.3 -> 93.6%);
+# - the sliced Gluon backward (BWD_SMEM_WS_PREFETCH, evict-last priority, the lines shared
+#   among the row block's slices): LayerNorm bf16 64K / 128K / 256K 74.2-74.3 / 69.4-69.6 /
+#   66.1-66.3 -> 75.9-76.0 / 71.7-71.8 / 67.4-67.5%, fp16 128K 65.4-65.7 -> 68.5-68.9%, fp32
+#   64K 81.7-82.0 -> 83.5-83.7%, the x1 path 64K 66.4 -> 68.5%, bf16 with an fp32 stream,
+#   dropout + add + LayerNorm 16384 76.4-76.5 -> 78.0-78.4%; 32K and fp32 256K even.
+FWD_WS_PREFETCH = True
+FWD_WS_PREFETCH_RMS_MAX_PARTS = 32
+BWD_SMEM_WS_PREFETCH = True
+
+
+def fwd_ws_prefetch(plain: str, split: int, device: torch.device) -> bool:
+    """Whether a split forward's parts prefetch their row's exchange words into L2 (see
+    FWD_WS_PREFETCH): on NVIDIA GPUs, but for RMSNorm of x alone (``plain`` "rms") in more
+    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts."""
+    if not FWD_WS_PREFETCH or not _nvidia(device):
+        return False
+    return not (plain == "rms" and split > FWD_WS_PREFETCH_RMS_MAX_PARTS)
+
+
 def fwd_split(
     n_cols: int,
     elem_bytes: int,

@@ -445,6 +445,21 @@ def _publish_missing_parts(
             tl.atomic_cas(WS + row * SPLIT + p, zero, _pack_stats(mean, m2), sem="relaxed")
 
 
+# One predicated PTX prefetch into L2: address $1 where $2 is not 0 ($0, a dummy output).
+_PREFETCH_L2_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }"
+)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, live):
+    """One PTX ``prefetch.global.L2`` for each of ``ptrs`` where ``live`` (an int32 tensor
+    like it) is not 0: the line comes into L2 while the program does other work, and no
+    register waits for it. Inline PTX: GPU builds only (config.fwd_ws_prefetch)."""
+    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, live], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 @triton.jit
 def _fwd_split_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
@@ -456,6 +471,7 @@ def _fwd_split_row(
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
     SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr, HOLD: tl.constexpr,
+    WS_PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
 
@@ -489,6 +505,9 @@ def _fwd_split_row(
     col0 = part * BLOCK_N
     ccols = col0 + cols
     col_mask = ccols < N
+    if WS_PREFETCH:  # the line of this part's word, asked of L2 by its line's first part
+        word = row * SPLIT + part + tl.zeros((1,), dtype=tl.int64)
+        _prefetch_l2(WS + word, (word % 16 == 0).to(tl.int32))
     s = _combine_inputs(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
@@ -649,6 +668,7 @@ def _fused_norm_fwd_kernel(
     EVICT_FIRST_SWEEP: tl.constexpr,   # chunked rows: L2 eviction policy of the first sweep's
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
+    WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
@@ -659,7 +679,7 @@ def _fused_norm_fwd_kernel(
             stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
-            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD,
+            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used

@@ -297,6 +297,7 @@ def _fwd_plan(
         EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
+        WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev),
     )
     maxnreg = (
         own[1]
@@ -616,6 +617,7 @@ def smem_flags(
         LAG=lag,
         HAS_W1=has_w1,
         HAS_B1=has_b1,
+        WS_PREFETCH=split > 1 and config.BWD_SMEM_WS_PREFETCH,
     )
 
 

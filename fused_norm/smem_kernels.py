@@ -248,6 +248,24 @@ if AVAILABLE:
         gl.store(WS_NEXT + row * SPLIT + part, -1)
 
     @gluon.jit
+    def _prefetch_words(WS, first, count, part, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Ask L2 for the 128-byte lines of ``count`` int64 words from WS + first, a row
+        block's exchange words, which the launch before left cold (config.BWD_SMEM_WS_PREFETCH):
+        the block's SPLIT programs share the lines (``part`` takes every SPLIT-th), a thread a
+        line, at most 32 * NUM_WARPS each, one predicated ``prefetch.global.L2::evict_last``
+        each (kept in L2 until the last row's exchange)."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        line = gl.arange(0, 32 * NUM_WARPS, layout=lanes) * SPLIT + part
+        n_lines = (count + 15) // 16
+        live = (line < n_lines).to(gl.int32)
+        ptrs = WS + first + gl.minimum(line, gl.maximum(n_lines, 1) - 1).to(gl.int64) * 16
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
+            "@p prefetch.global.L2::evict_last [$1]; }",
+            "=r,l,r", [ptrs, live], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
     def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):
         """The row sums of ``row`` over its SPLIT slices: read the row's words until all are
         published and add them. Every thread polls and adds its own copy of the words, in
@@ -340,6 +358,7 @@ if AVAILABLE:
         LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
         HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (DW_REGS)
         HAS_B1: gl.constexpr = False,
+        WS_PREFETCH: gl.constexpr = False,  # SPLIT > 1: the block's words asked of L2 first
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
         # the same columns, so the partials in shared memory are private to a thread.
@@ -372,6 +391,9 @@ if AVAILABLE:
                        tr_buf, ty1_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
                        stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
                        HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
+        if WS_PREFETCH:
+            _prefetch_words(WS, row_start * SPLIT, (row_end - row_start) * SPLIT, part, SPLIT,
+                            NUM_WARPS)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
         rstd = gl.load(RSTD + row_start, mask=row_start < M, other=0.0)
         mean = 0.0

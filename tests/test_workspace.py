@@ -368,3 +368,68 @@ def test_sweep_reads_the_forward_plan():
                            False, x.dtype, x.dtype, False)  # fmt: skip
         desc = sweep.plan_desc("fwd", "auto")
     assert "ws_reset=True" in desc and "x1 " not in desc, desc
+
+
+def test_prefetch_rules_through_the_plans():
+    """config.fwd_ws_prefetch / BWD_SMEM_WS_PREFETCH through ops' plans (bench/NOTES.md #77):
+    a split forward's parts prefetch their row's words on an NVIDIA GPU, but RMSNorm of x alone
+    in more than 32 parts, and no unsplit row or interpreted launch does; the sliced Gluon
+    backward prefetches its row block's words, the whole-row one has none to."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    bf16 = torch.bfloat16
+    with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
+
+        def fwd(n, dtype, rms, dev=gpu, residual=None):
+            split, *_, flags, _reset = ops._fwd_plan(
+                dev, n, dtype, dtype, residual, None, residual, not rms, False, False, False,
+                False, False, False, rms, False,
+            )  # fmt: skip
+            return split, flags["WS_PREFETCH"]
+
+        for n in (65536, 131072, 262144):
+            assert fwd(n, bf16, False) == (n // 4096, True)  # LayerNorm: 4K-column parts
+            assert fwd(n, bf16, True, residual=bf16)[1]  # add + RMSNorm
+            split, pre = fwd(n, bf16, True)
+            assert pre == (split <= config.FWD_WS_PREFETCH_RMS_MAX_PARTS), (n, split)
+        assert fwd(131072, FP32, True) == (64, False)  # 4-byte rows: 2K-column parts
+        assert fwd(4096, bf16, False) == (1, False)  # unsplit: no words
+        assert not fwd(131072, bf16, False, dev=cpu)[1]  # the interpreter: no inline PTX
+        with patched_config(FWD_WS_PREFETCH=False):
+            assert fwd(131072, bf16, False) == (32, False)
+
+        def smem(n, sliced_bytes):  # LayerNorm with a bias, bf16: s and dy staged, 4 B a column
+            return ops.smem_flags(n, 2, False, True, False, sliced_bytes=sliced_bytes)
+
+        assert smem(131072, 4)["WS_PREFETCH"] and smem(131072, 4)["SPLIT"] == 8
+        assert not smem(16384, 0)["WS_PREFETCH"]  # a whole row: no exchange
+        with patched_config(BWD_SMEM_WS_PREFETCH=False):
+            assert not smem(131072, 4)["WS_PREFETCH"]
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_changes_no_bits():
+    """The L2 prefetches of the exchange words (inline PTX) change no output and no gradient:
+    a split forward and a sliced backward, with them and without, bitwise (no dropout)."""
+    dev = torch.device("cuda")
+    n = 65536
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sliced Gluon backward runs on Hopper")
+    assert config.fwd_split(n, 2, dev)[1] > 1 and config.bwd_smem_sliced(n, 2), "not exchanging"
+    gen = torch.Generator(device=dev).manual_seed(7)
+    x = torch.randn(24, n, device=dev, dtype=BF16, generator=gen)
+    w = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
+    gy = torch.randn(24, n, device=dev, dtype=BF16, generator=gen)
+    import fused_norm
+
+    def run(rms):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fused_norm.layer_norm_fn(*leaves, eps=1e-5, is_rms_norm=rms)
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, gy))
+
+    for rms in (False, True):
+        with patched_config(FWD_WS_PREFETCH=False, BWD_SMEM_WS_PREFETCH=False):
+            off = run(rms)
+        on = run(rms)
+        for name, a, c in zip(("y", "dx", "dw", "db"), on, off):
+            assert torch.equal(a, c), (rms, name)
