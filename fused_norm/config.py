@@ -509,7 +509,10 @@ def fwd_ws_reset(is_rms_norm: bool, elem_bytes: int, n_cols: int) -> bool:
 #   64K / 256K 92.8 / 90.7 / 83.7 -> 94.4 / 93.1 / 85.1%, the x1 path 256K 94.7 -> 96.5%,
 #   add + RMSNorm 256K 92.3 -> 93.8%, RMSNorm 128K bf16 / fp16 89.0 / 85.9 -> 92.4 / 89.5%;
 #   but RMSNorm of x alone in more than FWD_WS_PREFETCH_RMS_MAX_PARTS parts lost or stayed
-#   (bf16 256K 88.1-88.2 -> 86.6-86.8%, fp16 256K 83.6 -> 83.7%, fp32 128K 94.3 -> 93.6%);
+#   (bf16 256K 88.1-88.2 -> 86.6-86.8%, fp16 256K 83.6 -> 83.7%, fp32 128K 94.3 -> 93.6%),
+#   and so did the x1 path in more than FWD_WS_PREFETCH_X1_MAX_PARTS (4-byte streams at 256K:
+#   128 parts of 2K columns; bf16 x with an fp32 stream 94.2 -> 89.0%, fp32 95.0 -> 93.9%,
+#   against 93.3 -> 95.0% and 96.6 -> 97.0% at 128K);
 # - the sliced Gluon backward (BWD_SMEM_WS_PREFETCH, evict-last priority, the lines shared
 #   among the row block's slices): LayerNorm bf16 64K / 128K / 256K 74.2-74.3 / 69.4-69.6 /
 #   66.1-66.3 -> 75.9-76.0 / 71.7-71.8 / 67.4-67.5%, fp16 128K 65.4-65.7 -> 68.5-68.9%, fp32
@@ -517,15 +520,19 @@ def fwd_ws_reset(is_rms_norm: bool, elem_bytes: int, n_cols: int) -> bool:
 #   dropout + add + LayerNorm 16384 76.4-76.5 -> 78.0-78.4%; 32K and fp32 256K even.
 FWD_WS_PREFETCH = True
 FWD_WS_PREFETCH_RMS_MAX_PARTS = 32
+FWD_WS_PREFETCH_X1_MAX_PARTS = 64
 BWD_SMEM_WS_PREFETCH = True
 
 
-def fwd_ws_prefetch(plain: str, split: int, device: torch.device) -> bool:
+def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool = False) -> bool:
     """Whether a split forward's parts prefetch their row's exchange words into L2 (see
     FWD_WS_PREFETCH): on NVIDIA GPUs, but for RMSNorm of x alone (``plain`` "rms") in more
-    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts."""
+    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts and the ``x1`` path in more than
+    FWD_WS_PREFETCH_X1_MAX_PARTS."""
     if not FWD_WS_PREFETCH or not _nvidia(device):
         return False
+    if x1:
+        return split <= FWD_WS_PREFETCH_X1_MAX_PARTS
     return not (plain == "rms" and split > FWD_WS_PREFETCH_RMS_MAX_PARTS)
 
 

@@ -297,7 +297,7 @@ def _fwd_plan(
         EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
-        WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev),
+        WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
     )
     maxnreg = (
         own[1]

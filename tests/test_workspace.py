@@ -373,16 +373,17 @@ def test_sweep_reads_the_forward_plan():
 def test_prefetch_rules_through_the_plans():
     """config.fwd_ws_prefetch / BWD_SMEM_WS_PREFETCH through ops' plans (bench/NOTES.md #77):
     a split forward's parts prefetch their row's words on an NVIDIA GPU, but RMSNorm of x alone
-    in more than 32 parts, and no unsplit row or interpreted launch does; the sliced Gluon
+    in more than 32 parts and the x1 path in more than 64, and no unsplit row or interpreted
+    launch does; the sliced Gluon
     backward prefetches its row block's words, the whole-row one has none to."""
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     bf16 = torch.bfloat16
     with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
 
-        def fwd(n, dtype, rms, dev=gpu, residual=None):
+        def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False):
             split, *_, flags, _reset = ops._fwd_plan(
-                dev, n, dtype, dtype, residual, None, residual, not rms, False, False, False,
-                False, False, False, rms, False,
+                dev, n, dtype, dtype, residual, dtype if x1 else None, residual, not rms, x1,
+                x1, False, False, False, False, rms, False,
             )  # fmt: skip
             return split, flags["WS_PREFETCH"]
 
@@ -392,6 +393,9 @@ def test_prefetch_rules_through_the_plans():
             split, pre = fwd(n, bf16, True)
             assert pre == (split <= config.FWD_WS_PREFETCH_RMS_MAX_PARTS), (n, split)
         assert fwd(131072, FP32, True) == (64, False)  # 4-byte rows: 2K-column parts
+        assert fwd(131072, FP32, False, residual=FP32, x1=True) == (64, True)  # the x1 path
+        assert fwd(262144, BF16, False, residual=FP32, x1=True) == (128, False)
+        assert fwd(262144, BF16, False, residual=BF16, x1=True) == (64, True)
         assert fwd(4096, bf16, False) == (1, False)  # unsplit: no words
         assert not fwd(131072, bf16, False, dev=cpu)[1]  # the interpreter: no inline PTX
         with patched_config(FWD_WS_PREFETCH=False):
