@@ -374,8 +374,8 @@ def test_prefetch_rules_through_the_plans():
     """config.fwd_ws_prefetch / BWD_SMEM_WS_PREFETCH through ops' plans (bench/NOTES.md #77):
     a split forward's parts prefetch their row's words on an NVIDIA GPU, but RMSNorm of x alone
     in more than 32 parts and the x1 path in more than 64, and no unsplit row or interpreted
-    launch does; the sliced Gluon
-    backward prefetches its row block's words, the whole-row one has none to."""
+    launch does; the sliced Gluon backward prefetches its row block's words, the whole-row one
+    has none to."""
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     bf16 = torch.bfloat16
     with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
