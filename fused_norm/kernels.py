@@ -445,19 +445,29 @@ def _publish_missing_parts(
             tl.atomic_cas(WS + row * SPLIT + p, zero, _pack_stats(mean, m2), sem="relaxed")
 
 
-# One predicated PTX prefetch into L2: address $1 where $2 is not 0 ($0, a dummy output).
+# One predicated PTX prefetch into L2 of address $1 where $2 is not 0 ($0: a dummy output),
+# with normal or evict-last priority.
 _PREFETCH_L2_ASM = tl.constexpr(
     "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }"
 )
+_PREFETCH_L2_EVICT_LAST_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
+    "@p prefetch.global.L2::evict_last [$1]; }"
+)  # fmt: skip
 
 
 @triton.jit
-def _prefetch_l2(ptrs, live):
+def _prefetch_l2(ptrs, live, EVICT_LAST: tl.constexpr = False):
     """One PTX ``prefetch.global.L2`` for each of ``ptrs`` where ``live`` (an int32 tensor
-    like it) is not 0: the line comes into L2 while the program does other work, and no
-    register waits for it. Inline PTX: GPU builds only (config.fwd_ws_prefetch)."""
-    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, live], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
+    like it) is not 0, evict-last where EVICT_LAST: the line comes into L2 while the program
+    does other work, and no register waits for it. Inline PTX: GPU builds only
+    (config.fwd_ws_prefetch, BWD_SMEM_WS_PREFETCH; smem_kernels calls it too)."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(_PREFETCH_L2_EVICT_LAST_ASM, "=r,l,r", [ptrs, live],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, live], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -506,6 +516,7 @@ def _fwd_split_row(
     ccols = col0 + cols
     col_mask = ccols < N
     if WS_PREFETCH:  # the line of this part's word, asked of L2 by its line's first part
+        # (the word is WS[pid]; written so, ptxas scheduled the part differently, offline)
         word = row * SPLIT + part + tl.zeros((1,), dtype=tl.int64)
         _prefetch_l2(WS + word, (word % 16 == 0).to(tl.int32))
     s = _combine_inputs(

@@ -62,7 +62,7 @@ if AVAILABLE:
     AVAILABLE = _barrier is not None and _async_load is not None
 
 if AVAILABLE:
-    from .kernels import _keeps, _octet_bits, _pack_sums
+    from .kernels import _keeps, _octet_bits, _pack_sums, _prefetch_l2
 
     @gluon.jit
     def _stage(PTR, buf, tbuf, slot, r, live, cols, tcols, N, stride_row, TAIL_N: gl.constexpr):
@@ -259,11 +259,7 @@ if AVAILABLE:
         n_lines = (count + 15) // 16
         live = (line < n_lines).to(gl.int32)
         ptrs = WS + first + gl.minimum(line, gl.maximum(n_lines, 1) - 1).to(gl.int64) * 16
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
-            "@p prefetch.global.L2::evict_last [$1]; }",
-            "=r,l,r", [ptrs, live], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+        _prefetch_l2(ptrs, live, True)
 
     @gluon.jit
     def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):

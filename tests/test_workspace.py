@@ -27,7 +27,7 @@ from _helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fused_norm import config, ops, workspace
+from fused_norm import config, layer_norm_fn, ops, workspace
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -424,11 +424,10 @@ def test_gpu_prefetch_changes_no_bits():
     w = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
     b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
     gy = torch.randn(24, n, device=dev, dtype=BF16, generator=gen)
-    import fused_norm
 
     def run(rms):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        y = fused_norm.layer_norm_fn(*leaves, eps=1e-5, is_rms_norm=rms)
+        y = layer_norm_fn(*leaves, eps=1e-5, is_rms_norm=rms)
         return [y.detach()] + list(torch.autograd.grad(y, leaves, gy))
 
     for rms in (False, True):
