@@ -56,6 +56,22 @@ def test_key_at_least_as_fine_as_tritons(values):
             seen[key] = (a, spec)
 
 
+@pytest.mark.skipif(native_specialize_impl is None, reason="Triton's specialiser not importable")
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(ints, tensors), min_size=2, max_size=40))
+def test_loose_key_at_least_as_fine_as_tritons(values):
+    """Likewise for parameters the kernel does not specialise on (do_not_specialize: Triton
+    keeps only an integer's type, a pointer's dtype)."""
+    seen = {}
+    for a in values:
+        key = launch.arg_key([a], (True,))
+        spec = native_specialize_impl(BaseBackend, a, False, False, True)
+        if key in seen:
+            assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key}"
+        else:
+            seen[key] = (a, spec)
+
+
 def test_key_separates_alignment_and_unit_values():
     x = torch.zeros(64, dtype=torch.bfloat16)
     assert launch.arg_key([x]) != launch.arg_key([x[1:]])  # 2 bytes off 16-byte alignment
