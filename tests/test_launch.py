@@ -37,35 +37,23 @@ tensors = st.builds(lambda d, off: _BUF[d][off:], st.sampled_from(DTYPES), st.in
 args = st.one_of(ints, tensors, st.floats(allow_nan=False), st.none(), st.booleans())
 
 
-def _triton_spec(a):
-    return native_specialize_impl(BaseBackend, a, False, True, True)
+def _triton_spec(a, loose=False):
+    """Triton's specialisation of ``a``; ``loose``: of a ``do_not_specialize`` parameter."""
+    return native_specialize_impl(BaseBackend, a, False, not loose, True)
 
 
 @pytest.mark.skipif(native_specialize_impl is None, reason="Triton's specialiser not importable")
+@pytest.mark.parametrize("loose", [False, True], ids=["specialised", "do_not_specialize"])
 @settings(max_examples=300, deadline=None)
 @given(st.lists(args, min_size=2, max_size=40))
-def test_key_at_least_as_fine_as_tritons(values):
-    """Arguments with one launch key also have one Triton specialisation (type and hints)."""
+def test_key_at_least_as_fine_as_tritons(loose, values):
+    """Arguments with one launch key also have one Triton specialisation (type and hints), also
+    for parameters the kernel does not specialise on (Triton keeps only an integer's type, a
+    pointer's dtype)."""
     seen = {}
     for a in values:
-        key = launch.arg_key([a])
-        spec = _triton_spec(a)
-        if key in seen:
-            assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key}"
-        else:
-            seen[key] = (a, spec)
-
-
-@pytest.mark.skipif(native_specialize_impl is None, reason="Triton's specialiser not importable")
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(ints, tensors), min_size=2, max_size=40))
-def test_loose_key_at_least_as_fine_as_tritons(values):
-    """Likewise for parameters the kernel does not specialise on (do_not_specialize: Triton
-    keeps only an integer's type, a pointer's dtype)."""
-    seen = {}
-    for a in values:
-        key = launch.arg_key([a], (True,))
-        spec = native_specialize_impl(BaseBackend, a, False, False, True)
+        key = launch.arg_key([a], (loose,))
+        spec = _triton_spec(a, loose)
         if key in seen:
             assert seen[key][1] == spec, f"{seen[key][0]!r} and {a!r} share key {key}"
         else:
