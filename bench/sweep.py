@@ -198,7 +198,7 @@ def plan_desc(mode: str, evict: str) -> str:
         plans = list(ops._FWD_PLANS.values())
         if len(plans) != 1:
             return f"fwd plans={len(plans)}"
-        split, rows, warps, maxnreg, c, ws_reset = plans[0]
+        split, rows, warps, maxnreg, c, ws_reset, _from_key = plans[0]
         block = 2 * c["BLOCK_N"] if c["TAIL_N"] else c["BLOCK_N"]  # a padded block as two
         return (f"warps={warps} rows={rows} split={block}x{split} chunks={c['NUM_CHUNKS']} "
                 f"maxnreg={maxnreg} tail={c['TAIL_N']} hold={c['HOLD'] > 0} evict={evict} "

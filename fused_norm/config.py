@@ -482,6 +482,10 @@ FWD_SPLIT_SUB_N = 128
 # (workspace.py) instead of filled by a kernel before each launch (bench/NOTES.md #76).
 # ``FUSED_NORM_WS_SELF_CLEARING=0`` turns it off.
 WS_SELF_CLEARING = os.environ.get("FUSED_NORM_WS_SELF_CLEARING", "1") != "0"
+# Eager dropout calls derive their rows' seeds in the forward kernel from one key drawn on the
+# host (ops.dropout_key) instead of a torch.randint kernel drawing them (bench/NOTES.md #80).
+# ``FUSED_NORM_DROPOUT_KEY_ON_HOST=0`` turns it off.
+DROPOUT_KEY_ON_HOST = os.environ.get("FUSED_NORM_DROPOUT_KEY_ON_HOST", "1") != "0"
 # fp32 RMSNorm rows wider than this many columns keep a fresh workspace per split forward
 # (fwd_ws_reset).
 FWD_WS_RESET_RMS4_MAX_N = 65536

@@ -28,9 +28,13 @@ Design notes
   config.fwd_hold: x itself for a norm of x alone) the part holds that tensor, not ``s``, across
   the wait and widens it again exactly afterwards (``_widen``, or for fp16 LayerNorm
   ``_convert_copy``): half the registers.
-* Dropout masks are never stored for the backward: each row has an int64 seed, and
-  Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows of ``x``
-  use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``.
+* Dropout masks are never stored for the backward: each row has a seed (< 2**32, kept as an
+  int64), and Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows
+  of ``x`` use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``. The forward either reads
+  them (drawn by ``torch.randint``: CUDA graph capture, torch.compile) or, given the call's key
+  (``SEED_KEY``, eager calls: ops.dropout_key; not the x1 path's wide rows, ops._fwd_plan),
+  derives seed ``i`` as the key's low word plus ``i`` (mod 2**32: no two rows of a call alike)
+  and stores it there for the backward.
 * Backward, a persistent grid of row blocks, at most as many as fit on the device at once
   (ops sizes it after asking the compiled kernel; see the note above _fused_norm_bwd_kernel):
   program ``(p, c)`` owns the contiguous rows
@@ -88,7 +92,10 @@ def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr, ROWS: tl
     drop probability is p rounded to a multiple of 2**-16 (off by at most 2**-17 ~ 7.6e-6).
     ``col0`` and BLOCK_N are multiples of 8, so the decision depends on (seed, column) alone.
     """
-    seed = tl.load(SEEDS + seed_row).to(tl.uint32)
+    if SEEDS.dtype.is_ptr():
+        seed = tl.load(SEEDS + seed_row).to(tl.uint32)
+    else:  # the call's key (the forward's SEED_KEY): _seed_of
+        seed = _seed_of(SEEDS, seed_row)
     octet = col0 // 8 + tl.arange(0, BLOCK_N // 8)
     if ROWS > 0:
         octet = octet[None, :]
@@ -96,6 +103,34 @@ def _keep_mask(SEEDS, seed_row, col0, dropout_p, BLOCK_N: tl.constexpr, ROWS: tl
     else:
         bits = tl.reshape(_octet_bits(seed, octet), (BLOCK_N,))
     return _keeps(bits, dropout_p)
+
+
+@triton.jit
+def _seed_of(key, i):
+    """Seed ``i`` (x's rows, then x1's) of a call with the int64 key ``key``, as a uint32: the
+    key's low word plus ``i``, mod 2**32."""
+    return key.to(tl.uint32) + i.to(tl.uint32)
+
+
+@triton.jit
+def _store_seeds(SEEDS, key, row, M, ok, HAS_X1: tl.constexpr):
+    """Store the seeds of x's row(s) ``row`` (and of x1's) where ``ok``, for the backward."""
+    tl.store(SEEDS + row, _seed_of(key, row).to(tl.int64), mask=ok)
+    if HAS_X1:
+        tl.store(SEEDS + M + row, _seed_of(key, M + row).to(tl.int64), mask=ok)
+
+
+@triton.jit
+def _store_row_seeds(SEEDS, key, row0, M, SPLIT: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                     HAS_X1: tl.constexpr):  # fmt: skip
+    """_store_seeds of the forward program's rows (``row0``: _fused_norm_fwd_kernel's)."""
+    if SPLIT > 1:  # program p: part p % SPLIT of row p // SPLIT (_fwd_split_row)
+        _store_seeds(SEEDS, key, row0 // SPLIT, M, row0 % SPLIT == 0, HAS_X1)
+    elif ROWS_PER_PROGRAM > 1:
+        rows = row0 + tl.arange(0, ROWS_PER_PROGRAM)
+        _store_seeds(SEEDS, key, rows, M, rows < M, HAS_X1)
+    else:
+        _store_seeds(SEEDS, key, row0, M, True, HAS_X1)
 
 
 @triton.jit
@@ -625,7 +660,7 @@ def _chunk_sum(
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEED_KEY"])
 def _fused_norm_fwd_kernel(
     X,             # (M, N) input x
     Y,             # (M, N) output y
@@ -640,6 +675,7 @@ def _fused_norm_fwd_kernel(
     ROWSCALE,      # (M,) per-row scale of x (if HAS_ROWSCALE)
     LAYERSCALE,    # (N,) per-column scale of x (if HAS_LAYERSCALE)
     SEEDS,         # (2M,) int64 dropout seeds, x rows then x1 rows (if HAS_DROPOUT)
+    SEED_KEY,      # None: SEEDS holds the seeds; else the call's int64 key, SEEDS filled here
     MASK,          # (M, N) bool keep-mask of x, contiguous (if STORE_MASK)
     MASK1,         # (M, N) bool keep-mask of x1, contiguous (if STORE_MASK and HAS_X1)
     MEAN,          # (M,) fp32 mean (if not IS_RMS_NORM)
@@ -680,9 +716,15 @@ def _fused_norm_fwd_kernel(
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
     WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
+    SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
+    seeds_out = SEEDS
+    if SEED_KEY is not None:  # the seeds from the call's key, stored for the backward
+        if not SEEDS_LAST:
+            _store_row_seeds(seeds_out, SEED_KEY, row0, M, SPLIT, ROWS_PER_PROGRAM, HAS_X1)
+        SEEDS = SEED_KEY  # the helpers below derive each seed from it (_keep_mask)
     if SPLIT > 1:
         _fwd_split_row(
             X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS,
@@ -781,6 +823,8 @@ def _fused_norm_fwd_kernel(
             _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                              stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
                              ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if SEED_KEY is not None and SEEDS_LAST:
+        _store_row_seeds(seeds_out, SEED_KEY, row0, M, SPLIT, ROWS_PER_PROGRAM, HAS_X1)
 
 
 @triton.jit

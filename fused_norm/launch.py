@@ -72,8 +72,12 @@ def key_and_pointers(args, loose=()) -> tuple:
         if a is None:
             key.append(None)
         elif type(a) is int:
-            # Triton: == 1 becomes a constant, % 16 == 0 a divisibility hint, range the type.
-            key.append(("n", a >> 31) if i < len(loose) and loose[i] else (a == 1, a & 15, a >> 31))
+            # Triton: == 1 becomes a constant, % 16 == 0 a divisibility hint, range the type
+            # (i32, i64 or u64: for a loose integer, such as the dropout key, only that).
+            if i < len(loose) and loose[i]:
+                key.append(("n", (a + 0x80000000) >> 32 == 0, a >> 63 == 1))
+            else:
+                key.append((a == 1, a & 15, a >> 31))
         elif type(a) is float:
             key.append("f")  # not 0.0: that would equal the key False of a bool
         elif type(a) is bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import warnings
 from typing import NamedTuple, Optional
 
@@ -140,6 +141,61 @@ def check_args(
 
 
 # ----------------------------------------------------------------------------------------------
+# Dropout key
+# ----------------------------------------------------------------------------------------------
+
+# Keys lie in [KEY_LOW, KEY_HIGH): ints outside the int32 range, so that Triton types the
+# forward's SEED_KEY the same (i64) whatever the value (launch.key_and_pointers keys it so).
+KEY_LOW, KEY_HIGH = 2**31, 2**63 - 1
+_MASK64 = 2**64 - 1
+_KEY_LOCK = threading.Lock()
+
+
+def _mix(seed: int, offset: int) -> int:
+    """A key from a generator's (seed, offset): SplitMix64's finaliser of ``seed * golden +
+    offset`` (a bijection of that sum), then its top 63 bits, lifted into [KEY_LOW, KEY_HIGH)."""
+    z = (seed * 0x9E3779B97F4A7C15 + offset) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (z ^ (z >> 31)) >> 1
+    return z if z >= KEY_LOW else z + KEY_LOW
+
+
+def dropout_key(dev: torch.device) -> Optional[int]:
+    """The key from which one dropout call's forward derives its rows' seeds (kernels._seed_of:
+    the key's low word plus the seed's index, so no two rows of a call share a mask), or None
+    where the seeds must be drawn on the device by ``torch.randint`` instead.
+
+    An eager call on a CUDA GPU derives the key on the host from the device's CUDA generator:
+    its (seed, offset) mixed, the offset then advanced by 4 as one of torch's random ops
+    reserves its share. No kernel runs (the randint kernel cost ~3.5 µs a call, bench/NOTES.md
+    #80), and the key follows that generator as a device draw would: ``torch.cuda.manual_seed``
+    repeats it, ``torch.cuda.set_rng_state`` (activation checkpointing) replays it, a forked or
+    swapped CUDA RNG state (model-parallel trackers) changes it. On the CPU (the interpreter)
+    it is drawn from torch's CPU generator. None under CUDA graph capture (a key baked into the
+    graph would repeat at every replay), under torch.compile (which traces tensors, not host
+    ints), on other devices and with config.DROPOUT_KEY_ON_HOST off. The lock covers
+    fused_norm's own calls; another thread drawing from the same generator between the read
+    and the advance could repeat a key, as it could around torch's get/set_rng_state.
+    """
+    if not config.DROPOUT_KEY_ON_HOST or torch.compiler.is_compiling():
+        return None
+    if dev.type == "cuda":
+        if workspace.capturing(dev):
+            return None
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        with _KEY_LOCK:
+            offset = gen.get_offset()
+            gen.set_offset(offset + 4)
+            seed = gen.initial_seed()
+        return _mix(seed, offset)
+    if dev.type == "cpu":
+        return int(torch.randint(KEY_LOW, KEY_HIGH, ()))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
 
@@ -166,8 +222,10 @@ def _fwd_launch(
 def _fwd_run(
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, y, y1,
     residual_out, mean, rstd, mask, mask1, eps, dropout_p, is_rms_norm, zero_centered_weight,
-    on_miss=None,
+    on_miss=None, seed_key=None,
 ):  # fmt: skip
+    """The forward launch; with ``seed_key`` (dropout_key's int) the kernel derives the rows'
+    dropout seeds from it and stores them in ``seeds``, which it otherwise reads."""
     m, n = x.shape
     if m == 0:
         return
@@ -189,7 +247,10 @@ def _fwd_run(
             *key[:7], bias is not None, weight1 is not None, bias1 is not None, *key[7:13],
             _param_bytes(weight, bias, weight1, bias1),
         )  # fmt: skip
-    split, rows, num_warps, maxnreg, constexprs, ws_reset = plan
+    split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key = plan
+    if seed_key is not None and not seeds_from_key:  # drawn as under capture instead
+        torch.randint(0, 2**31 - 1, seeds.shape, out=seeds)
+        seed_key = None
     ws = ws_next = pair = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws` (zeros)
         grid = (m * split,)
@@ -202,7 +263,7 @@ def _fwd_run(
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
-         rowscale, layerscale, seeds, mask, mask1, mean, rstd, ws, ws_next,
+         rowscale, layerscale, seeds, seed_key, mask, mask1, mean, rstd, ws, ws_next,
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
         constexprs, num_warps, on_miss=on_miss, maxnreg=maxnreg,
@@ -232,8 +293,9 @@ def _fwd_plan(
     weight_bytes=2,
 ):  # fmt: skip
     """The forward's launch choices for rows of ``n`` columns: ``(split, rows per program,
-    num_warps, maxnreg, constexprs, ws_reset)``; ``split`` > 1 spreads a row over that many
-    programs, ``ws_reset``: their workspace clears itself (config.fwd_ws_reset).
+    num_warps, maxnreg, constexprs, ws_reset, seeds_from_key)``; ``split`` > 1 spreads a row
+    over that many programs, ``ws_reset``: their workspace clears itself (config.fwd_ws_reset),
+    ``seeds_from_key``: dropout seeds may be derived from an eager call's key (dropout_key).
     ``weight_bytes``: of the widest weight or bias element (fp32 parameters read again for
     every row cost twice the L2 traffic of 16-bit ones: config.fwd_split, fwd_split_warps,
     fwd_block_choice)."""
@@ -298,6 +360,10 @@ def _fwd_plan(
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
+        # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
+        # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
+        # faster (bench/NOTES.md #80).
+        SEEDS_LAST=not has_x1 and (split > 1 or num_warps < 16),
     )
     maxnreg = (
         own[1]
@@ -305,7 +371,12 @@ def _fwd_plan(
         else config.fwd_maxnreg(block_n, num_chunks, split, dropout, has_x1, elem_bytes, dev)
     )
     ws_reset = split > 1 and config.fwd_ws_reset(is_rms_norm, elem_bytes, n)
-    return split, rows, num_warps, maxnreg, constexprs, ws_reset
+    # The x1 path takes the key only in one-block rows on fewer than 16 warps: its split rows
+    # lost 60-90 us with it (#80), on 16 warps it measured even, and at 10240 columns it took
+    # 78 registers instead of 64 offline (one program per SM instead of two). Elsewhere in
+    # the x1 path the seeds are drawn on the device, as under capture.
+    seeds_from_key = not has_x1 or (split == 1 and num_warps < 16)
+    return split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key
 
 
 _fwd_op = torch.library.custom_op(
@@ -319,9 +390,12 @@ _fwd_op.register_fake(lambda *args, **kwargs: None)
 def fused_norm_fwd(
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, eps, dropout_p,
     is_rms_norm, zero_centered_weight, out_dtype, residual_dtype, store_residual_out,
-    store_mask=False, y=None, residual_out=None, warm_bwd=None,
+    store_mask=False, y=None, residual_out=None, warm_bwd=None, seed_key=None,
 ):  # fmt: skip
     """Run the forward on 2-D ``(M, N)`` tensors (last dim contiguous).
+
+    With dropout, ``seeds`` holds the rows' seeds (x's, then x1's), or with ``seed_key`` (an int
+    from :func:`dropout_key`, eager calls only) is an empty int64 buffer the kernel fills.
 
     Returns ``(y, y1, residual_out, mean, rstd, mask, mask1)``; absent parts are None.
     ``y`` / ``residual_out`` are written in place when given. ``warm_bwd(y, y1, residual_out,
@@ -350,6 +424,7 @@ def fused_norm_fwd(
         float(eps), float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
     )  # fmt: skip
     if torch.compiler.is_compiling():
+        assert seed_key is None, "dropout_key gives no key under torch.compile"
         _fwd_op(*args)
     else:
         on_miss = None
@@ -364,7 +439,7 @@ def fused_norm_fwd(
                         "it compiles when first needed", RuntimeWarning, stacklevel=2,
                     )  # fmt: skip
 
-        _fwd_run(*args, on_miss=on_miss)
+        _fwd_run(*args, on_miss=on_miss, seed_key=seed_key)
     return y, y1, residual_out, mean, rstd, mask, mask1
 
 

@@ -54,7 +54,7 @@ class _Pair:
         self.pending = None
 
 
-def _capturing(dev: torch.device) -> bool:
+def capturing(dev: torch.device) -> bool:
     """Whether ``dev``'s current stream is being captured into a CUDA graph."""
     if dev.index == torch.cuda.current_device():
         return torch.cuda.is_current_stream_capturing()
@@ -68,7 +68,7 @@ def take(dev: torch.device, words: int, fill: int) -> tuple:
     :func:`done` is called with ``pair`` once it is enqueued (``pair`` None: a fresh buffer,
     and ``ws_next`` a scratch one that nothing reads)."""
     words = max(words, 1)
-    if not config.WS_SELF_CLEARING or (dev.type == "cuda" and _capturing(dev)):
+    if not config.WS_SELF_CLEARING or (dev.type == "cuda" and capturing(dev)):
         both = torch.full((2, (words + 1) & ~1), fill, dtype=torch.int64, device=dev)  # 16 B rows
         return both[0], both[1], None
     stream = 0

@@ -3,6 +3,7 @@ without a GPU: Triton's compiler and the ptxas / cuobjdump shipped in its wheel 
 
     python scripts/offline_regs.py fwd ln 65536 [bf16|fp16|fp32] [--res32]
     python scripts/offline_regs.py bwd parallel 8192
+    python scripts/offline_regs.py fwd drop_add_ln 4096 --seeds
 
 Workloads: ln, rms, add_rms, drop_add_ln, parallel (as in bench/sweep.py). It runs
 ``ops.fused_norm_fwd`` / ``fused_norm_bwd`` on small CPU tensors with the launchers replaced by
@@ -14,7 +15,9 @@ with one row each, Triton compiled the row loop for a count of 1 and reported fe
 (LayerNorm at 2048 columns: 64 instead of the device's 96). Registers differ between Triton versions (their ptxas too): read them
 with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9). With
 ``OFFLINE_REGS_CUBIN=path`` the last kernel's cubin is kept there: ``nvdisasm -plr`` (in the
-same bin directory as cuobjdump) shows the live registers at each instruction (#45).
+same bin directory as cuobjdump) shows the live registers at each instruction (#45). A
+dropout forward derives its seeds from a key, as an eager call's does; ``--seeds`` reads them
+instead, as under CUDA graph capture or torch.compile (#80).
 """
 
 import os
@@ -115,8 +118,10 @@ def run(direction, workload, n, dtype="bf16", res32=False, m=8448):
     stream = res.dtype if res is not None else d
     seeds = torch.zeros(2 * m, dtype=torch.int64) if p else None
     if direction == "fwd":
+        # the seeds derived from a key as an eager call's forward does (--seeds: read instead)
+        key = None if "--seeds" in sys.argv or not p else ops.KEY_LOW
         ops.fused_norm_fwd(x, w, b, res, x1, w1, b1, None, None, seeds, 1e-6, p, rms, False, d,
-                           stream, store_residual_out=res is not None)  # fmt: skip
+                           stream, store_residual_out=res is not None, seed_key=key)  # fmt: skip
     else:
         s = torch.empty(m, n, dtype=stream)
         dres = torch.empty(m, n, dtype=stream) if res is not None else None

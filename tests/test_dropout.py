@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from _helpers import Case, check_case, max_block_bytes, tail_blocks
+from _helpers import Case, check_case, max_block_bytes, patched_config, split_rows, tail_blocks
 
 from fused_norm import layer_norm_fn, rms_norm_fn
 
@@ -173,3 +173,162 @@ def test_drop_probability_has_16_bit_resolution(device):
     assert not torch.equal(half, moved), "p 16 steps higher drew the same mask"
     assert bool((half | ~moved).all()), "raising p must only drop more elements"
     assert bool(_call(x, p=2**-18)[2].all()), "p below 2**-17 dropped an element"
+
+
+def _rng_state(device):
+    return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device, state):
+    (torch.cuda.set_rng_state if device == "cuda" else torch.set_rng_state)(state)
+
+
+def test_fresh_masks_each_call_replayed_from_the_rng_state(device):
+    """Each call draws a new key from torch's generator (the device's: ops.dropout_key), so
+    two calls in a row drop differently; restoring the generator's state first (as activation
+    checkpointing does) draws the same masks again."""
+    x, x1 = torch.randn(8, 96, device=device), torch.randn(8, 96, device=device)
+    w = torch.ones(96, device=device)
+
+    def masks():
+        out = layer_norm_fn(x, w, None, x1=x1, dropout_p=0.5, return_dropout_mask=True)
+        return out[1], out[2]
+
+    state = _rng_state(device)
+    first = masks()
+    second = masks()
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
+    _set_rng_state(device, state)
+    again = masks()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+LAYOUTS = {  # forward layouts: (n, rows, x1, config patch)
+    "tile": (100, 7, True, lambda: patched_config(FWD_ROWS_PER_PROGRAM=4, FWD_ROWS_MAX_N=256)),
+    "one-row": (80, 5, True, lambda: tail_blocks(True)),
+    "chunked": (200, 3, False, lambda: max_block_bytes(64)),
+    "split": (200, 3, False, lambda: split_rows(64)),
+    "split-x1": (200, 3, True, lambda: split_rows(64)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_seeds_derived_from_key_are_the_seeds_stored(layout, device):
+    """Given the call's key (an eager call's: ops.dropout_key) the forward derives seed ``i``
+    (x's rows, then x1's) as the key's low word plus ``i`` mod 2**32 and stores it, and a
+    forward that reads those stored seeds (as under CUDA graph capture) gives bitwise the same
+    outputs and masks; then the backward, which reads them, drops what the forward dropped.
+    The key's low word wraps mid-call here. Rows as tiles of four, one per program, chunked,
+    and split over programs; the x1 path's split rows take no key (ops._fwd_plan): their
+    seeds are drawn on the device, as under capture (test_where_seeds_come_from_a_key)."""
+    from fused_norm import ops
+
+    n, rows, has_x1, patch = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(n + rows)
+    x, x1, res = (torch.randn(rows, n, generator=gen).to(device) for _ in range(3))
+    x1 = x1 if has_x1 else None
+    w = torch.randn(n, generator=gen).to(device)
+    key = 2**40 + 2**32 - 3  # low word 2**32 - 3: seeds 2**32 - 3, 2**32 - 2, 2**32 - 1, 0, ...
+    count = 2 * rows if has_x1 else rows
+    expected = (key + torch.arange(count, dtype=torch.int64)) & 0xFFFFFFFF
+    runs = []
+    with patch():
+        for from_key in (True, False):
+            seeds = torch.empty(count, dtype=torch.int64, device=device)
+            if not from_key:
+                seeds.copy_(runs[0][0])
+            out = ops.fused_norm_fwd(
+                x, w, None, res, x1, None, None, None, None, seeds, 1e-5, 0.4, False, False,
+                torch.float32, torch.float32, True, True, seed_key=key if from_key else None,
+            )  # fmt: skip
+            runs.append((seeds, *out))
+    if layout == "split-x1":
+        drawn = runs[0][0].cpu()
+        assert not torch.equal(drawn, expected) and bool(((drawn >= 0) & (drawn < 2**31)).all())
+    else:
+        assert torch.equal(runs[0][0].cpu(), expected), "the forward stored other seeds"
+    names = ("seeds", "y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
+    for name, a, b in zip(names, *runs):
+        assert (a is None and b is None) or torch.equal(a, b), f"{name} differs"
+    seeds, y, _, s, mean, rstd, mask, mask1 = runs[0]
+    assert 0.4 < float(mask.float().mean()) < 0.8  # masks of p = 0.4
+    dy = torch.randn(rows, n, generator=gen).to(device)
+    dx, _, _, _, dx1, _, _, _ = ops.fused_norm_bwd(
+        dy, s, w, None, None, None, mean, rstd, seeds=seeds, dropout_p=0.4,
+        x_dtype=torch.float32, x1_dtype=torch.float32 if has_x1 else None,
+    )  # fmt: skip
+    for g, m in ((dx, mask), (dx1, mask1)) if has_x1 else ((dx, mask),):
+        assert bool((g[~m] == 0).all() and (g[m] != 0).all())
+
+
+def test_dropout_key_values(monkeypatch):
+    """ops.dropout_key's keys lie in [KEY_LOW, KEY_HIGH) (one int64 type to Triton whatever
+    the value), those mixed from one seed's successive offsets are distinct, and with
+    config.DROPOUT_KEY_ON_HOST off there is none (the seeds are drawn on the device)."""
+    from fused_norm import config, ops
+
+    keys = {ops._mix(seed, offset) for seed in (0, 42, 2**63 + 5) for offset in range(0, 40000, 4)}
+    assert len(keys) == 30000
+    assert all(ops.KEY_LOW <= k < ops.KEY_HIGH for k in keys)
+    cpu = torch.device("cpu")
+    assert ops.KEY_LOW <= ops.dropout_key(cpu) < ops.KEY_HIGH
+    monkeypatch.setattr(config, "DROPOUT_KEY_ON_HOST", False)
+    assert ops.dropout_key(cpu) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dropout_key_from_the_cuda_generator():
+    """On a GPU an eager call's key comes from the CUDA generator without a kernel: its draw
+    advances the generator's offset by 4 (torch's unit); the same (seed, offset) gives the
+    same key (torch.cuda.manual_seed, set_rng_state); under CUDA graph capture there is none
+    (a key baked into the graph would repeat every replay: the seeds are drawn on the device)."""
+    from fused_norm import ops
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.cuda.default_generators[dev.index]
+    torch.cuda.manual_seed(123)
+    offset = gen.get_offset()
+    first = ops.dropout_key(dev)
+    assert type(first) is int and gen.get_offset() == offset + 4
+    state = torch.cuda.get_rng_state()
+    second = ops.dropout_key(dev)
+    assert second != first
+    torch.cuda.set_rng_state(state)
+    assert ops.dropout_key(dev) == second
+    torch.cuda.manual_seed(123)
+    assert ops.dropout_key(dev) == first
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = ops.dropout_key(dev)
+    assert captured is None
+
+
+def test_where_seeds_come_from_a_key(monkeypatch):
+    """The forward's plans on an H100/H200 (bench/NOTES.md #80): a key gives the seeds of every
+    dropout row but the x1 path's on 16 or more warps or split (their seeds are drawn on the
+    device, the previous code); the seeds are stored after the row, but before it in the x1
+    path's rows and on 16 or more warps (where ptxas scheduled that faster)."""
+    from fused_norm import config, ops
+
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+    monkeypatch.setattr(config, "_nvidia", lambda device: True)
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+
+    def plan(n, x1):
+        split, _, warps, _, c, _, from_key = ops._fwd_plan(
+            gpu, n, bf16, bf16, bf16, bf16 if x1 else None, bf16, True, x1, x1, False, False,
+            False, True, False, False,
+        )  # fmt: skip
+        return split > 1, warps >= 16, from_key, c["SEEDS_LAST"]
+
+    assert plan(1024, False) == (False, False, True, True)
+    assert plan(12288, False) == (False, True, True, False)
+    assert plan(65536, False) == (True, False, True, True)
+    assert plan(1024, True) == (False, False, True, False)
+    assert plan(5120, True)[2:] == (True, False)
+    assert plan(10240, True)[1:3] == (True, False)
+    assert plan(12288, True)[1:3] == (True, False)
+    assert plan(65536, True)[::2] == (True, False)

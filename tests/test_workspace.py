@@ -381,7 +381,7 @@ def test_prefetch_rules_through_the_plans():
     with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
 
         def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False):
-            split, *_, flags, _reset = ops._fwd_plan(
+            split, *_, flags, _reset, _from_key = ops._fwd_plan(
                 dev, n, dtype, dtype, residual, dtype if x1 else None, residual, not rms, x1,
                 x1, False, False, False, False, rms, False,
             )  # fmt: skip
