@@ -33,8 +33,8 @@ Design notes
   of ``x`` use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``. The forward either reads
   them (drawn by ``torch.randint``: CUDA graph capture, torch.compile) or, given the call's key
   (``SEED_KEY``, eager calls: ops.dropout_key; not the x1 path's wide rows, ops._fwd_plan),
-  derives seed ``i`` as the key's low word plus ``i`` (mod 2**32: no two rows of a call alike)
-  and stores it there for the backward.
+  derives seed ``i`` as the key's low word plus ``i`` mod 2**32 (no two seeds of a call alike,
+  below 2**32 of them) and stores it there for the backward.
 * Backward, a persistent grid of row blocks, at most as many as fit on the device at once
   (ops sizes it after asking the compiled kernel; see the note above _fused_norm_bwd_kernel):
   program ``(p, c)`` owns the contiguous rows

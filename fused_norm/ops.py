@@ -163,7 +163,8 @@ def _mix(seed: int, offset: int) -> int:
 
 def dropout_key(dev: torch.device) -> Optional[int]:
     """The key from which one dropout call's forward derives its rows' seeds (kernels._seed_of:
-    the key's low word plus the seed's index, so no two rows of a call share a mask), or None
+    the key's low word plus the seed's index, mod 2**32: no two of a call's seeds alike, below
+    2**32 of them), or None
     where the seeds must be drawn on the device by ``torch.randint`` instead.
 
     An eager call on a CUDA GPU derives the key on the host from the device's CUDA generator:
