@@ -88,18 +88,17 @@ def _kernel_forward(x, weight, bias, residual, x1, weight1, bias1, rowscale, lay
     shape, n = x.shape, x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
-    seeds = seed_key = None
+    seeds, fill_seeds = None, False
     if dropout_p > 0.0:
         # One seed per row of x and x1, from torch's generator (replayed by activation
-        # checkpointing, which restores the RNG state; no host sync): eager calls derive them in
-        # the forward kernel from one key (ops.dropout_key), CUDA graph capture and
-        # torch.compile draw them on the device.
+        # checkpointing, which restores the RNG state; no host sync). torch.compile traces
+        # their draw on the device here; an eager forward fills them itself (ops._fwd_run).
         count = 2 * m if x1 is not None else m
-        seed_key = ops.dropout_key(x.device)
-        if seed_key is None:
-            seeds = torch.randint(0, 2**31 - 1, (count,), device=x.device, dtype=torch.int64)
+        if torch.compiler.is_compiling():
+            seeds = ops.draw_seeds(count, x.device)
         else:
             seeds = torch.empty((count,), device=x.device, dtype=torch.int64)
+            fill_seeds = True
     # The backward needs the normalised sum s; store it unless it is x itself.
     s_is_x = (
         residual is None and x1 is None and rowscale is None and layerscale is None
@@ -141,7 +140,7 @@ def _kernel_forward(x, weight, bias, residual, x1, weight1, bias1, rowscale, lay
         store_mask=return_dropout_mask,
         y=out.view(-1, n) if out is not None else None,
         residual_out=residual_out.view(-1, n) if residual_out is not None else None,
-        warm_bwd=warm_bwd, seed_key=seed_key,
+        warm_bwd=warm_bwd, fill_seeds=fill_seeds,
     )  # fmt: skip
     if ctx is not None:
         # Save a caller's residual_out buffer itself, not a view of it made here: it is marked

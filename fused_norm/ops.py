@@ -161,6 +161,13 @@ def _mix(seed: int, offset: int) -> int:
     return z if z >= KEY_LOW else z + KEY_LOW
 
 
+def draw_seeds(count: int, dev: torch.device, out: Optional[Tensor] = None) -> Tensor:
+    """``count`` per-row dropout seeds drawn on ``dev`` by ``torch.randint`` (into ``out``)."""
+    if out is None:
+        return torch.randint(0, 2**31 - 1, (count,), device=dev, dtype=torch.int64)
+    return torch.randint(0, 2**31 - 1, (count,), out=out)
+
+
 def dropout_key(dev: torch.device) -> Optional[int]:
     """The key from which one dropout call's forward derives its rows' seeds (kernels._seed_of:
     the key's low word plus the seed's index, mod 2**32: no two of a call's seeds alike, below
@@ -174,12 +181,13 @@ def dropout_key(dev: torch.device) -> Optional[int]:
     repeats it, ``torch.cuda.set_rng_state`` (activation checkpointing) replays it, a forked or
     swapped CUDA RNG state (model-parallel trackers) changes it. On the CPU (the interpreter)
     it is drawn from torch's CPU generator. None under CUDA graph capture (a key baked into the
-    graph would repeat at every replay), under torch.compile (which traces tensors, not host
-    ints), on other devices and with config.DROPOUT_KEY_ON_HOST off. The lock covers
+    graph would repeat at every replay), on other devices and with config.DROPOUT_KEY_ON_HOST
+    off. Eager forwards only (_fwd_run): torch.compile traces tensors, not host ints, so the
+    autograd layer draws the seeds there (draw_seeds). The lock covers
     fused_norm's own calls; another thread drawing from the same generator between the read
     and the advance could repeat a key, as it could around torch's get/set_rng_state.
     """
-    if not config.DROPOUT_KEY_ON_HOST or torch.compiler.is_compiling():
+    if not config.DROPOUT_KEY_ON_HOST:
         return None
     if dev.type == "cuda":
         if workspace.capturing(dev):
@@ -223,10 +231,12 @@ def _fwd_launch(
 def _fwd_run(
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, y, y1,
     residual_out, mean, rstd, mask, mask1, eps, dropout_p, is_rms_norm, zero_centered_weight,
-    on_miss=None, seed_key=None,
+    on_miss=None, fill_seeds=False,
 ):  # fmt: skip
-    """The forward launch; with ``seed_key`` (dropout_key's int) the kernel derives the rows'
-    dropout seeds from it and stores them in ``seeds``, which it otherwise reads."""
+    """The forward launch. With ``fill_seeds`` (an eager call's empty ``seeds``), the rows'
+    dropout seeds come from a key (dropout_key) that the kernel derives them from and stores
+    them in ``seeds``, or where the plan or the call takes none, from draw_seeds; otherwise
+    the kernel reads them."""
     m, n = x.shape
     if m == 0:
         return
@@ -249,9 +259,11 @@ def _fwd_run(
             _param_bytes(weight, bias, weight1, bias1),
         )  # fmt: skip
     split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key = plan
-    if seed_key is not None and not seeds_from_key:  # drawn as under capture instead
-        torch.randint(0, 2**31 - 1, seeds.shape, out=seeds)
-        seed_key = None
+    seed_key = None
+    if fill_seeds:
+        seed_key = dropout_key(dev) if seeds_from_key else None
+        if seed_key is None:  # drawn as under capture
+            draw_seeds(seeds.shape[0], dev, out=seeds)
     ws = ws_next = pair = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws` (zeros)
         grid = (m * split,)
@@ -391,12 +403,12 @@ _fwd_op.register_fake(lambda *args, **kwargs: None)
 def fused_norm_fwd(
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, seeds, eps, dropout_p,
     is_rms_norm, zero_centered_weight, out_dtype, residual_dtype, store_residual_out,
-    store_mask=False, y=None, residual_out=None, warm_bwd=None, seed_key=None,
+    store_mask=False, y=None, residual_out=None, warm_bwd=None, fill_seeds=False,
 ):  # fmt: skip
     """Run the forward on 2-D ``(M, N)`` tensors (last dim contiguous).
 
-    With dropout, ``seeds`` holds the rows' seeds (x's, then x1's), or with ``seed_key`` (an int
-    from :func:`dropout_key`, eager calls only) is an empty int64 buffer the kernel fills.
+    With dropout, ``seeds`` holds the rows' seeds (x's, then x1's), or with ``fill_seeds``
+    (eager calls only) is an empty int64 buffer that the forward fills (_fwd_run).
 
     Returns ``(y, y1, residual_out, mean, rstd, mask, mask1)``; absent parts are None.
     ``y`` / ``residual_out`` are written in place when given. ``warm_bwd(y, y1, residual_out,
@@ -425,7 +437,7 @@ def fused_norm_fwd(
         float(eps), float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight),
     )  # fmt: skip
     if torch.compiler.is_compiling():
-        assert seed_key is None, "dropout_key gives no key under torch.compile"
+        assert not fill_seeds, "torch.compile traces the seeds' draw (autograd)"
         _fwd_op(*args)
     else:
         on_miss = None
@@ -440,7 +452,7 @@ def fused_norm_fwd(
                         "it compiles when first needed", RuntimeWarning, stacklevel=2,
                     )  # fmt: skip
 
-        _fwd_run(*args, on_miss=on_miss, seed_key=seed_key)
+        _fwd_run(*args, on_miss=on_miss, fill_seeds=fill_seeds)
     return y, y1, residual_out, mean, rstd, mask, mask1
 
 

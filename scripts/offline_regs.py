@@ -118,10 +118,10 @@ def run(direction, workload, n, dtype="bf16", res32=False, m=8448):
     stream = res.dtype if res is not None else d
     seeds = torch.zeros(2 * m, dtype=torch.int64) if p else None
     if direction == "fwd":
-        # the seeds derived from a key as an eager call's forward does (--seeds: read instead)
-        key = None if "--seeds" in sys.argv or not p else ops.KEY_LOW
+        # the seeds filled as an eager call's forward does (--seeds: read instead)
+        fill = bool(p) and "--seeds" not in sys.argv
         ops.fused_norm_fwd(x, w, b, res, x1, w1, b1, None, None, seeds, 1e-6, p, rms, False, d,
-                           stream, store_residual_out=res is not None, seed_key=key)  # fmt: skip
+                           stream, store_residual_out=res is not None, fill_seeds=fill)  # fmt: skip
     else:
         s = torch.empty(m, n, dtype=stream)
         dres = torch.empty(m, n, dtype=stream) if res is not None else None

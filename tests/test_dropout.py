@@ -213,7 +213,7 @@ LAYOUTS = {  # forward layouts: (n, rows, x1, config patch)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_seeds_derived_from_key_are_the_seeds_stored(layout, device):
+def test_seeds_derived_from_key_are_the_seeds_stored(layout, device, monkeypatch):
     """Given the call's key (an eager call's: ops.dropout_key) the forward derives seed ``i``
     (x's rows, then x1's) as the key's low word plus ``i`` mod 2**32 and stores it, and a
     forward that reads those stored seeds (as under CUDA graph capture) gives bitwise the same
@@ -231,6 +231,7 @@ def test_seeds_derived_from_key_are_the_seeds_stored(layout, device):
     key = 2**40 + 2**32 - 3  # low word 2**32 - 3: seeds 2**32 - 3, 2**32 - 2, 2**32 - 1, 0, ...
     count = 2 * rows if has_x1 else rows
     expected = (key + torch.arange(count, dtype=torch.int64)) & 0xFFFFFFFF
+    monkeypatch.setattr(ops, "dropout_key", lambda dev: key)  # the call's key, as drawn
     runs = []
     with patch():
         for from_key in (True, False):
@@ -239,7 +240,7 @@ def test_seeds_derived_from_key_are_the_seeds_stored(layout, device):
                 seeds.copy_(runs[0][0])
             out = ops.fused_norm_fwd(
                 x, w, None, res, x1, None, None, None, None, seeds, 1e-5, 0.4, False, False,
-                torch.float32, torch.float32, True, True, seed_key=key if from_key else None,
+                torch.float32, torch.float32, True, True, fill_seeds=from_key,
             )  # fmt: skip
             runs.append((seeds, *out))
     if layout == "split-x1":
