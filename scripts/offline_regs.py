@@ -17,7 +17,8 @@ with the device's version (bench/NOTES.md #37 used triton 3.6 and 3.9). With
 ``OFFLINE_REGS_CUBIN=path`` the last kernel's cubin is kept there: ``nvdisasm -plr`` (in the
 same bin directory as cuobjdump) shows the live registers at each instruction (#45). A
 dropout forward derives its seeds from a key, as an eager call's does; ``--seeds`` reads them
-instead, as under CUDA graph capture or torch.compile (#80).
+instead, as under CUDA graph capture or torch.compile (#80). The shared-memory backward
+(smem_kernels) is not compiled: where the GPU takes it, the Triton kernel it replaces is shown.
 """
 
 import os
@@ -45,6 +46,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 config._nvidia = lambda device: True
 config.split_rows_ok = lambda device: True
 config.sm_count = lambda device: 132
+# smem_kernels' backward (Gluon) is not compiled here: its check asks the CUDA runtime for the
+# device's shared memory, which a machine without a GPU cannot answer. Backward rows that take
+# it on an H100/H200 (16-bit, bwd_smem_layout's widths) show the Triton kernel they replace.
+config._smem_ok = lambda index: False
 
 
 class OfflineCompile:

@@ -669,3 +669,81 @@ def tail_blocks(value) -> patched_config:
     if value is True:
         return patched_config(TAIL_BLOCKS=True, FWD_ROWS_PER_PROGRAM=1)
     return patched_config(TAIL_BLOCKS=value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fresh memory: a kernel must never read what it (or the host) did not write
+# ----------------------------------------------------------------------------------------------
+
+# What poisoned_allocations writes into a fresh tensor, by kind: NaN in floats (it reaches any
+# output it touches), a byte pattern in integers (seeds, exchange words), True in bools (masks).
+_POISON_INT_BYTE = 0x5A
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    # 0x5A in every byte: positive in every integer dtype
+    return t.fill_(int.from_bytes(bytes([_POISON_INT_BYTE]) * t.element_size(), "little"))
+
+
+class poisoned_allocations:
+    """Context manager: every tensor from ``torch.empty`` / ``torch.empty_like`` (the package's
+    own allocations: outputs, statistics, seeds, partial gradients, row sums) comes filled,
+    with zeros (``poison=False``) or with NaN / 0x5A bytes / True (``poison=True``). Outputs
+    that differ between the two reveal a read of memory nobody wrote, which fresh memory (often
+    zeros) would hide. Restored on exit, also on failure."""
+
+    def __init__(self, poison: bool):
+        self.poison = poison
+
+    def __enter__(self):
+        self.saved = torch.empty, torch.empty_like
+        empty, empty_like = self.saved
+        fill = _poison if self.poison else (lambda t: t.zero_())
+
+        def poisoned_empty(*args, **kwargs):
+            return fill(empty(*args, **kwargs))
+
+        def poisoned_empty_like(*args, **kwargs):
+            return fill(empty_like(*args, **kwargs))
+
+        torch.empty, torch.empty_like = poisoned_empty, poisoned_empty_like
+        return self
+
+    def __exit__(self, *exc):
+        torch.empty, torch.empty_like = self.saved
+
+
+def assert_same_bits(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` and ``b`` hold the same bytes (NaN payloads included: NaN == NaN here)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    )
+    ab = a.detach().contiguous().reshape(-1).view(torch.uint8)
+    bb = b.detach().contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(ab, bb):
+        flat = int((ab != bb).nonzero()[0]) // a.element_size()
+        idx = _index(flat, a.shape)
+        raise AssertionError(f"{name}: differs at {idx}: {a[idx]} vs {b[idx]}")
+
+
+def run_filled(case: Case, t: dict, poison: bool, api: str = "fn") -> dict:
+    """Forward and backward of ``case`` on inputs ``t`` with fresh allocations filled
+    (poisoned_allocations); returns every output, mask and gradient by name. The dropout
+    masks come from ``case.seed`` (the same in every run)."""
+    leaves = {k: v for k, v in t.items() if k in GRAD_NAMES and v is not None}
+    with poisoned_allocations(poison):
+        torch.manual_seed(case.seed)
+        outs, masks = call_fused(case, t, api)
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        upstream = {
+            k: torch.randn(v.shape, generator=gen).to(v.dtype).to(v.device) for k, v in outs.items()
+        }
+        grads = _grads(outs, upstream, leaves)
+    got = {k: v.detach() for k, v in outs.items()}
+    got.update({f"mask{i}": m for i, m in enumerate(masks) if m is not None})
+    got.update({f"grad {k}": g for k, g in grads.items() if g is not None})
+    return got

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import Case, assert_bitwise_equal, call_fused, check_case, make_inputs
+from _helpers import (
+    Case,
+    assert_bitwise_equal,
+    assert_same_bits,
+    call_fused,
+    check_case,
+    make_inputs,
+    run_filled,
+)
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +202,36 @@ def test_gpu_backward_bitwise_deterministic(n):
     for i, (a, b) in enumerate(zip(*runs)):
         if a is not None or b is not None:
             assert_bitwise_equal(f"output/grad {i}, two runs", a, b)
+
+
+# Every forward and backward layout at least once: tiles of narrow rows, one block, two blocks
+# (12288), the shared-memory backward (12288, 16384 with two partials), lane-summed chunks,
+# column blocks exchanging row sums or after the pre-pass, split forward rows; bf16 and fp32.
+FRESH = (
+    [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm", "x1_w1")
+     for n in (128, 4096, 12288, 16384, 65536, 262144)]
+    + [("add_rms_prenorm", 4096, BF16), ("add_rms_prenorm", 32768, BF16), ("ln", 1000, FP32),
+       ("add_rms_prenorm", 128, FP32),  # the example GPT's norm (fp32 runs)
+       ("drop_add_ln_prenorm_fp32res", 16384, FP32), ("x1_w1_fp32res", 65536, FP32)]
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, n, dtype", FRESH, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in FRESH]
+)
+def test_gpu_outputs_independent_of_fresh_memory(flags, n, dtype):
+    """As test_kernels' test_outputs_independent_of_fresh_memory, at production widths and
+    launch choices: every output, mask and gradient is bitwise the same whether the package's
+    fresh tensors start as zeros or as NaN / 0x5A bytes / True. Rows: about 4M elements, 3
+    more than a round count, so that the last backward program and the last tile are partly
+    full."""
+    case = _case(flags, n, dtype, rows=max(24, min(4099, (1 << 22) // n)) + 3, seed=5)
+    t = make_inputs(case, "cuda")
+    zeros = run_filled(case, t, poison=False)
+    poisoned = run_filled(case, t, poison=True)
+    assert zeros.keys() == poisoned.keys()
+    for k in zeros:
+        assert_same_bits(k, zeros[k], poisoned[k])
 
 
 def test_gpu_dropout_keep_rate():

@@ -22,6 +22,7 @@ import triton.language as tl
 from _helpers import (
     Case,
     assert_bitwise_equal,
+    assert_same_bits,
     call_fused,
     check_case,
     count_example,
@@ -30,6 +31,7 @@ from _helpers import (
     max_block_bytes,
     one_row_per_program,
     patched_config,
+    run_filled,
     split_rows,
     tail_blocks,
 )
@@ -54,6 +56,7 @@ EXAMPLES_HELD = 50
 EXAMPLES_LANE = 50
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
+EXAMPLES_FRESH_MEMORY = 40
 
 
 def widths(max_n: int = 320, min_n: int = 1):
@@ -475,3 +478,40 @@ def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
         ulp = torch.finfo(g.dtype).eps * want.abs()
         assert g.dtype == dtypes[k]
         assert ((g.double() - want).abs() <= bound + ulp).all(), k
+
+
+# Layouts for the fresh-memory test: LAYOUTS, and rows in column blocks (exchanging their row
+# sums, or after the row-sums pre-pass) and split over several forward programs.
+FRESH_LAYOUTS = {
+    **LAYOUTS,
+    "chunked-exchange": lambda: _stacked(max_block_bytes(64), patched_config(BWD_EXCHANGE=True)),
+    "chunked-prepass": lambda: _stacked(max_block_bytes(64), patched_config(BWD_EXCHANGE=False)),
+    "chunked-few-programs": lambda: _stacked(max_block_bytes(256), few_programs(2)),
+    "split": lambda: split_rows(64),
+}
+
+
+@contextlib.contextmanager
+def _stacked(*managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
+
+
+@settings(max_examples=EXAMPLES_FRESH_MEMORY)
+@given(case=cases("fn", max_rows=7), layout=st.sampled_from(list(FRESH_LAYOUTS)))
+def test_outputs_independent_of_fresh_memory(case, layout):
+    """Every output, mask and gradient is bitwise the same whether the tensors the package
+    allocates (outputs, statistics, seeds, partial gradients, row sums) start as zeros or as
+    NaN / 0x5A bytes / True: no kernel reads memory that nothing wrote. Fresh memory is often
+    zeros, so a read of it can pass every reference test and still go wrong in a long-running
+    process whose allocator hands back used blocks."""
+    count_example("test_outputs_independent_of_fresh_memory")
+    t = make_inputs(case)
+    with FRESH_LAYOUTS[layout]():
+        zeros = run_filled(case, t, poison=False)
+        poisoned = run_filled(case, t, poison=True)
+    assert zeros.keys() == poisoned.keys()
+    for k in zeros:
+        assert_same_bits(k, zeros[k], poisoned[k])
