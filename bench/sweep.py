@@ -198,11 +198,13 @@ def plan_desc(mode: str, evict: str) -> str:
         plans = list(ops._FWD_PLANS.values())
         if len(plans) != 1:
             return f"fwd plans={len(plans)}"
-        split, rows, warps, maxnreg, c, ws_reset, _from_key = plans[0]
+        p = plans[0]
+        c = p.constexprs
         block = 2 * c["BLOCK_N"] if c["TAIL_N"] else c["BLOCK_N"]  # a padded block as two
-        return (f"warps={warps} rows={rows} split={block}x{split} chunks={c['NUM_CHUNKS']} "
-                f"maxnreg={maxnreg} tail={c['TAIL_N']} hold={c['HOLD'] > 0} evict={evict} "
-                f"unroll={c['UNROLL']} ws_reset={ws_reset}")  # fmt: skip
+        return (f"warps={p.num_warps} rows={p.rows} split={block}x{p.split} "
+                f"chunks={c['NUM_CHUNKS']} maxnreg={p.maxnreg} tail={c['TAIL_N']} "
+                f"hold={c['HOLD'] > 0} evict={evict} unroll={c['UNROLL']} "
+                f"ws_reset={p.ws_reset}")  # fmt: skip
     plans = list(ops._BWD_PLANS.values())
     if len(plans) != 1:
         return f"bwd plans={len(plans)}"

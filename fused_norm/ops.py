@@ -258,34 +258,46 @@ def _fwd_run(
             *key[:7], bias is not None, weight1 is not None, bias1 is not None, *key[7:13],
             _param_bytes(weight, bias, weight1, bias1),
         )  # fmt: skip
-    split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key = plan
+    split = plan.split
     seed_key = None
     if fill_seeds:
-        seed_key = dropout_key(dev) if seeds_from_key else None
+        seed_key = dropout_key(dev) if plan.seeds_from_key else None
         if seed_key is None:  # drawn as under capture
             draw_seeds(seeds.shape[0], dev, out=seeds)
     ws = ws_next = pair = None
     if split > 1:  # one row over `split` programs; the statistics meet in `ws` (zeros)
         grid = (m * split,)
-        if ws_reset:
+        if plan.ws_reset:
             ws, ws_next, pair = workspace.take(dev, m * split, 0)
         else:  # no WS_NEXT: the kernel without the store (config.fwd_ws_reset)
             ws = torch.zeros((m * split,), dtype=torch.int64, device=dev)
     else:
-        grid = (config.cdiv(m, rows),)
+        grid = (config.cdiv(m, plan.rows),)
     _FWD(
         grid, dev,
         (x, y, weight, bias, residual, x1, weight1, bias1, y1, residual_out,
          rowscale, layerscale, seeds, seed_key, mask, mask1, mean, rstd, ws, ws_next,
          x.stride(0), y.stride(0), _stride0(residual), _stride0(x1), _stride0(y1),
          _stride0(residual_out), m, n, eps, dropout_p, config.FWD_SPLIT_MAX_POLLS),
-        constexprs, num_warps, on_miss=on_miss, maxnreg=maxnreg,
+        plan.constexprs, plan.num_warps, on_miss=on_miss, maxnreg=plan.maxnreg,
     )  # fmt: skip
     workspace.done(pair)
 
 
 # _fwd_run's key -> _fwd_plan's answer (emptied when a setting of config changes).
 _FWD_PLANS: dict = {}
+
+
+class _FwdPlan(NamedTuple):
+    """_fwd_plan's choices for one configuration, whatever the row count."""
+
+    split: int  # programs a row is spread over (1: not split)
+    rows: int  # rows per program
+    num_warps: int
+    maxnreg: Optional[int]  # register cap (None: the compiler's choice)
+    constexprs: dict  # the forward kernel's constexpr arguments
+    ws_reset: bool  # split rows: their workspace clears itself (config.fwd_ws_reset)
+    seeds_from_key: bool  # dropout seeds may come from an eager call's key (dropout_key)
 
 
 def _param_bytes(*params) -> int:
@@ -305,10 +317,7 @@ def _fwd_plan(
     has_b1, has_rowscale, has_layerscale, store_mask, dropout, is_rms_norm, zero_centered_weight,
     weight_bytes=2,
 ):  # fmt: skip
-    """The forward's launch choices for rows of ``n`` columns: ``(split, rows per program,
-    num_warps, maxnreg, constexprs, ws_reset, seeds_from_key)``; ``split`` > 1 spreads a row
-    over that many programs, ``ws_reset``: their workspace clears itself (config.fwd_ws_reset),
-    ``seeds_from_key``: dropout seeds may be derived from an eager call's key (dropout_key).
+    """The forward's launch choices for rows of ``n`` columns (a _FwdPlan).
     ``weight_bytes``: of the widest weight or bias element (fp32 parameters read again for
     every row cost twice the L2 traffic of 16-bit ones: config.fwd_split, fwd_split_warps,
     fwd_block_choice)."""
@@ -389,7 +398,7 @@ def _fwd_plan(
     # 78 registers instead of 64 offline (one program per SM instead of two). Elsewhere in
     # the x1 path the seeds are drawn on the device, as under capture.
     seeds_from_key = not has_x1 or (split == 1 and num_warps < 16)
-    return split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key
+    return _FwdPlan(split, rows, num_warps, maxnreg, constexprs, ws_reset, seeds_from_key)
 
 
 _fwd_op = torch.library.custom_op(

@@ -319,11 +319,11 @@ def test_where_seeds_come_from_a_key(monkeypatch):
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
 
     def plan(n, x1):
-        split, _, warps, _, c, _, from_key = ops._fwd_plan(
+        p = ops._fwd_plan(
             gpu, n, bf16, bf16, bf16, bf16 if x1 else None, bf16, True, x1, x1, False, False,
             False, True, False, False,
         )  # fmt: skip
-        return split > 1, warps >= 16, from_key, c["SEEDS_LAST"]
+        return p.split > 1, p.num_warps >= 16, p.seeds_from_key, p.constexprs["SEEDS_LAST"]
 
     assert plan(1024, False) == (False, False, True, True)
     assert plan(12288, False) == (False, True, True, False)

@@ -343,16 +343,16 @@ def test_rule_keeps_the_fill_for_wide_fp32_rms_rows():
                                  False, False, False, False, False, rms, False)  # fmt: skip
 
         for n in (65536, 131072, 262144):
-            assert plan(n, bf16, True)[0] > 1 and plan(n, bf16, True)[5]
-            assert plan(n, bf16, False)[5] and plan(n, fp32, False)[5]
-            assert plan(n, bf16, True, stream=fp32)[5] == (n <= 65536)  # fp32 stream: 4 bytes
-            assert plan(n, fp32, True)[5] == (n <= 65536)
-        assert plan(4096, bf16, True)[:1] == (1,) and not plan(4096, bf16, True)[5]
+            assert plan(n, bf16, True).split > 1 and plan(n, bf16, True).ws_reset
+            assert plan(n, bf16, False).ws_reset and plan(n, fp32, False).ws_reset
+            assert plan(n, bf16, True, stream=fp32).ws_reset == (n <= 65536)  # fp32 stream
+            assert plan(n, fp32, True).ws_reset == (n <= 65536)
+        assert plan(4096, bf16, True).split == 1 and not plan(4096, bf16, True).ws_reset
 
 
 def test_sweep_reads_the_forward_plan():
-    """bench/sweep.py's description of the plan a variant ran unpacks ops' forward plan
-    (its sixth entry, ws_reset, broke the unpacking once)."""
+    """bench/sweep.py's description of the plan a variant ran reads ops' forward plan (a new
+    entry, ws_reset, broke its positional unpacking once; it reads the fields by name now)."""
     import sys
     from pathlib import Path
 
@@ -381,11 +381,11 @@ def test_prefetch_rules_through_the_plans():
     with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
 
         def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False):
-            split, *_, flags, _reset, _from_key = ops._fwd_plan(
+            p = ops._fwd_plan(
                 dev, n, dtype, dtype, residual, dtype if x1 else None, residual, not rms, x1,
                 x1, False, False, False, False, rms, False,
             )  # fmt: skip
-            return split, flags["WS_PREFETCH"]
+            return p.split, p.constexprs["WS_PREFETCH"]
 
         for n in (65536, 131072, 262144):
             assert fwd(n, bf16, False) == (n // 4096, True)  # LayerNorm: 4K-column parts
