@@ -58,6 +58,10 @@ WEIGHT_DTYPE = [torch.float32]  # --weight-dtype
 RES_DTYPE = [None]  # --dtype bf16_res32: the residual stream's dtype (None: x's)
 
 
+# run()'s workloads (the names bench/bench.py gives them, but the x1 path's "parallel").
+WORKLOADS = ("add_rms", "ln", "rms", "parallel", "drop_add_ln")
+
+
 def run(workload, n, dtype, device, mode):
     m = ELEMS // n
     rdt = RES_DTYPE[0] or dtype
@@ -278,6 +282,9 @@ def main():
     )  # fmt: skip
     ap.add_argument("--rng", default="", help="forward RNG variant: " + ",".join(RNG_VARIANTS))
     args = ap.parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:  # run() would time dropout + add + LayerNorm under that name
+        ap.error(f"--workloads: unknown {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
     os.makedirs(args.out, exist_ok=True)
     if args.rng:
         use_rng_variant(args.rng, args.out)
