@@ -225,8 +225,12 @@ def test_parity_cuda(tmp_path, precision):
     fp32 is held to the CPU bound. Under bf16 autocast the normed activations are rounded to bf16
     before the next matmul, so an ulp of fp32 difference now and then flips a bf16 rounding
     (2^-8 relative). The same measurement as for PARITY_ATOL, run with CPU bf16 autocast (8 seeds
-    x 2 formulations), gave at most 5.8e-3; PARITY_ATOL_BF16 is 5x that. It catches gross errors
-    only (the subtlest injected bug moves the loss by 1.3e-2): the fp32 run is the sharp check.
+    x 2 formulations), gave at most 5.8e-3; PARITY_ATOL_BF16 is 5x that. The GPU amplifies more:
+    on an H200 (torch 2.11, 2026-11-25) seed 0, the one run here, puts two correct torch
+    formulations (nn.RMSNorm, and rsqrt of the mean square in fp32) 1.83e-2 apart at step 44 and
+    fused 1.78e-2 from nn.RMSNorm but 5e-4 from the other; seeds 1-3 stay within 1.1e-3
+    (bench/NOTES.md #82). It catches gross errors only (the subtlest injected bug moves the loss
+    by 1.3e-2): the fp32 run is the sharp check.
     """
     tol = PARITY_ATOL if precision == "fp32" else PARITY_ATOL_BF16
     flags = ["--device", "cuda", "--steps", "50", "--bench", "--precision", precision]
@@ -234,7 +238,45 @@ def test_parity_cuda(tmp_path, precision):
     ref = run(tmp_path / "t", *flags, "--norm", "torch")
     diff, step = max_abs_diff(fused["history"]["train"], ref["history"]["train"])
     print(f"cuda {precision}: max |fused - torch| over 50 steps = {diff:.3g} at step {step}")
-    assert diff <= tol, f"step {step}: |fused - torch| = {diff:.3g} > {tol}"
+    if diff > tol:  # a failure: say what it depends on (it has failed once, not reproduced)
+        why = diagnose_parity(tmp_path, flags, fused["history"]["train"], ref["history"]["train"])
+        pytest.fail(f"step {step}: |fused - torch| = {diff:.3g} > {tol}\n{why}")
+
+
+def diagnose_parity(tmp_path, flags, fused, ref) -> str:
+    """Runs that tell a failed parity check's cause apart (all are reproducible on the GPU in a
+    fresh process, bench/NOTES.md #82): the fused and torch runs again in this process, the
+    fused run again with every plan and compiled-kernel cache of fused_norm emptied, and the
+    fused run in a fresh process."""
+    from fused_norm import config, ops
+
+    lines = []
+
+    def note(name, hist):
+        d_self, s_self = max_abs_diff(hist, fused if "fused" in name else ref)
+        d_ref, s_ref = max_abs_diff(hist, ref)
+        lines.append(f"{name}: vs the first run of its norm {d_self:.3g} (step {s_self}), "
+                     f"vs the first torch run {d_ref:.3g} (step {s_ref})")  # fmt: skip
+
+    note("fused again", run(tmp_path / "f2", *flags, "--norm", "fused")["history"]["train"])
+    note("torch again", run(tmp_path / "t2", *flags, "--norm", "torch")["history"]["train"])
+    with pytest.MonkeyPatch.context() as mp:
+        for lau in ops.launchers():
+            mp.setattr(lau, "cache", {})
+            mp.setattr(lau, "pending", {})
+        for cache in config.DERIVED_CACHES:
+            cache.clear()
+        hist = run(tmp_path / "f3", *flags, "--norm", "fused")["history"]["train"]
+    note("fused, caches emptied", hist)
+    out = tmp_path / "f4"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), *flags, "--norm", "fused"]
+    proc = subprocess.run(cmd, env=subprocess_env(FUSED_NORM_BACKEND="auto"), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    if proc.returncode == 0:
+        note("fused, fresh process", json.loads((out / "history.json").read_text())["train"])
+    else:
+        lines.append(f"fused, fresh process: exit {proc.returncode}: {proc.stderr[-500:]}")
+    return "\n".join(lines)
 
 
 @pytest.mark.gpu
