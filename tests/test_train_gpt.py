@@ -244,10 +244,10 @@ def test_parity_cuda(tmp_path, precision):
 
 
 def diagnose_parity(tmp_path, flags, fused, ref) -> str:
-    """Runs that tell a failed parity check's cause apart (all are reproducible on the GPU in a
-    fresh process, bench/NOTES.md #82): the fused and torch runs again in this process, the
-    fused run again with every plan and compiled-kernel cache of fused_norm emptied, and the
-    fused run in a fresh process."""
+    """Runs that tell a failed parity check's cause apart: the fused and torch runs again in
+    this process, the fused run again with every plan and compiled-kernel cache of fused_norm
+    emptied, and the fused run in a fresh process. Each run is bitwise reproducible on the GPU
+    (bench/NOTES.md #82), so whichever of them differs from the first points at the cause."""
     from fused_norm import config, ops
 
     lines = []
