@@ -171,8 +171,8 @@ def draw_seeds(count: int, dev: torch.device, out: Optional[Tensor] = None) -> T
 def dropout_key(dev: torch.device) -> Optional[int]:
     """The key from which one dropout call's forward derives its rows' seeds (kernels._seed_of:
     the key's low word plus the seed's index, mod 2**32: no two of a call's seeds alike, below
-    2**32 of them), or None
-    where the seeds must be drawn on the device by ``torch.randint`` instead.
+    2**32 of them), or None where the seeds must be drawn on the device by ``torch.randint``
+    instead.
 
     An eager call on a CUDA GPU derives the key on the host from the device's CUDA generator:
     its (seed, offset) mixed, the offset then advanced by 4 as one of torch's random ops
@@ -183,9 +183,9 @@ def dropout_key(dev: torch.device) -> Optional[int]:
     it is drawn from torch's CPU generator. None under CUDA graph capture (a key baked into the
     graph would repeat at every replay), on other devices and with config.DROPOUT_KEY_ON_HOST
     off. Eager forwards only (_fwd_run): torch.compile traces tensors, not host ints, so the
-    autograd layer draws the seeds there (draw_seeds). The lock covers
-    fused_norm's own calls; another thread drawing from the same generator between the read
-    and the advance could repeat a key, as it could around torch's get/set_rng_state.
+    autograd layer draws the seeds there (draw_seeds). The lock covers fused_norm's own calls;
+    another thread drawing from the same generator between the read and the advance could
+    repeat a key, as it could around torch's get/set_rng_state.
     """
     if not config.DROPOUT_KEY_ON_HOST:
         return None

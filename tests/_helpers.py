@@ -747,3 +747,13 @@ def run_filled(case: Case, t: dict, poison: bool, api: str = "fn") -> dict:
     got.update({f"mask{i}": m for i, m in enumerate(masks) if m is not None})
     got.update({f"grad {k}": g for k, g in grads.items() if g is not None})
     return got
+
+
+def assert_fresh_memory_unread(case: Case, t: dict, api: str = "fn") -> None:
+    """run_filled twice, fresh allocations zeroed then poisoned: every output, mask and
+    gradient bitwise the same (no kernel read memory that nothing wrote)."""
+    zeros = run_filled(case, t, poison=False, api=api)
+    poisoned = run_filled(case, t, poison=True, api=api)
+    assert zeros.keys() == poisoned.keys()
+    for k in zeros:
+        assert_same_bits(k, zeros[k], poisoned[k])
