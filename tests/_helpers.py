@@ -139,13 +139,15 @@ def assert_three_way(
 
 
 def assert_bitwise_equal(name: str, a, b) -> None:
-    """Same dtype, shape and values bit for bit (first differing element on failure)."""
+    """Same dtype, shape and bytes (first differing element on failure): bit for bit, so
+    -0.0 differs from 0.0 and a NaN equals the same NaN, unlike ``torch.equal``."""
     assert a.dtype == b.dtype and a.shape == b.shape, (
         f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
     )
-    if not torch.equal(a, b):
-        ne = (a != b).reshape(-1)
-        flat = int(ne.nonzero()[0])
+    ab = a.detach().contiguous().reshape(-1).view(torch.uint8)
+    bb = b.detach().contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(ab, bb):
+        flat = int((ab != bb).nonzero()[0]) // a.element_size()
         idx = _index(flat, a.shape)
         raise AssertionError(f"{name}: not bitwise equal, first at {idx}: {a[idx]} vs {b[idx]}")
 
@@ -717,19 +719,6 @@ class poisoned_allocations:
         torch.empty, torch.empty_like = self.saved
 
 
-def assert_same_bits(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``a`` and ``b`` hold the same bytes (NaN payloads included: NaN == NaN here)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (
-        f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-    )
-    ab = a.detach().contiguous().reshape(-1).view(torch.uint8)
-    bb = b.detach().contiguous().reshape(-1).view(torch.uint8)
-    if not torch.equal(ab, bb):
-        flat = int((ab != bb).nonzero()[0]) // a.element_size()
-        idx = _index(flat, a.shape)
-        raise AssertionError(f"{name}: differs at {idx}: {a[idx]} vs {b[idx]}")
-
-
 def run_filled(case: Case, t: dict, poison: bool, api: str = "fn") -> dict:
     """Forward and backward of ``case`` on inputs ``t`` with fresh allocations filled
     (poisoned_allocations); returns every output, mask and gradient by name. The dropout
@@ -756,4 +745,4 @@ def assert_fresh_memory_unread(case: Case, t: dict, api: str = "fn") -> None:
     poisoned = run_filled(case, t, poison=True, api=api)
     assert zeros.keys() == poisoned.keys()
     for k in zeros:
-        assert_same_bits(k, zeros[k], poisoned[k])
+        assert_bitwise_equal(k, zeros[k], poisoned[k])
