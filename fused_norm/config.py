@@ -812,6 +812,34 @@ def bwd_row_stages(
 # chunks at 86-100%, 32K chunks at 31-46%; software-pipelining this loop lost 10-30 points.
 BWD_SUMS_BLOCK_BYTES = 4096
 BWD_SUMS_WARPS = 8
+# Each row's sums are taken in parts of at least BWD_SUMS_PART_BYTES, a program per part, at
+# most BWD_SUMS_MAX_PARTS (a power of two) a row; a second small kernel adds each row's shares
+# in a fixed order (kernels._row_shares_sum_kernel). With a program per row, 1024 rows of 128K
+# bf16 columns ran as 1.55 waves of the 660 programs that fit at once. Bench-style A/B (H200,
+# bench/NOTES.md #84), the pre-pass in 8 parts against one: dropout + add + LayerNorm bf16 at
+# 128K, forward + backward 790.9 -> 781.7 us; the x1 path bf16 at 256K 980 -> 961 us. But
+# with 4-byte weights parts lost (the x1 path fp32 at 256K 1881 -> 1915 us, bf16 with fp32
+# weights 1034 -> 1040 us), so those rows keep one part.
+BWD_SUMS_PART_BYTES = 32768
+BWD_SUMS_MAX_PARTS = 8
+BWD_SUMS_ADD_ROWS = 128  # rows per program of the shares' sum, and its warps
+BWD_SUMS_ADD_WARPS = 4
+
+
+def bwd_sums_layout(n_cols: int, elem_bytes: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, NUM_CHUNKS, PARTS) of the row-sums pre-pass for rows of ``n_cols`` elements,
+    ``elem_bytes`` the wider of s and dy and ``weight_bytes`` of the weights: chunks of
+    BLOCK_N columns, NUM_CHUNKS of them per part and PARTS parts per row (a power of two, 1
+    with 4-byte weights; the last part may run past the row, masked)."""
+    block_n, chunks = block_config(n_cols, elem_bytes, BWD_SUMS_BLOCK_BYTES)
+    if weight_bytes > 2:
+        return block_n, chunks, 1
+    part_chunks = max(BWD_SUMS_PART_BYTES // (block_n * elem_bytes), 1)
+    parts = 1
+    while parts * 2 * part_chunks <= chunks and parts < BWD_SUMS_MAX_PARTS:
+        parts *= 2
+    return block_n, cdiv(chunks, parts), parts
+
 
 # Backward rows wider than one block are split into column blocks of at most this many bytes,
 # each its own program (see kernels.py); bench/NOTES.md has the sweep.

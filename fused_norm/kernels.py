@@ -49,7 +49,7 @@ Design notes
   row blocks however wide the row), which get c1, c2 by exchanging their blocks' partial sums a
   row ahead (EXCHANGE, one word per row and block, written once by compare-and-swap) or, where
   that does not apply (config.bwd_exchange_fits, ROCm), from ``_bwd_row_sums_kernel`` (one more
-  read of s and dy).
+  read of s and dy, in parts of a row whose shares ``_row_shares_sum_kernel`` adds).
 * Row offsets are int64 (``row.to(tl.int64) * stride``), so M*N may exceed 2**31.
 
 The maths (per row, N columns, fp32):
@@ -1066,16 +1066,22 @@ def _exchanged_row_sums(
 @triton.jit
 def _bwd_row_sums_kernel(
     S, DY, DY1, W, W1, MEAN, RSTD, C12, stride_s_row, stride_dy_row, stride_dy1_row, N,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, PARTS: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    """c1 = sum(xhat * wdy) / N and c2 = sum(wdy) / N of one row into C12[row] (wide rows)."""
-    row = tl.program_id(0).to(tl.int64)
+    """c1 = sum(xhat * wdy) / N and c2 = sum(wdy) / N of a row (wide rows), in PARTS parts:
+    program i sums part i % PARTS of row i // PARTS, its NUM_CHUNKS chunks of BLOCK_N columns,
+    into C12[row] (PARTS == 1) or else its shares into C12[row, 0, part] and C12[row, 1,
+    part] of a (M, 2, PARTS) buffer, which _row_shares_sum_kernel adds."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // PARTS
+    part = pid % PARTS
+    col0 = part * (NUM_CHUNKS * BLOCK_N)
     cols = tl.arange(0, BLOCK_N)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for c in range(NUM_CHUNKS):
-        ccols = c * BLOCK_N + cols
+        ccols = col0 + c * BLOCK_N + cols
         xhat, _dy, _dy1, wdy = _row_grads(
             S, DY, DY1, W, W1, MEAN, RSTD, row, ccols, ccols < N, ccols < N, stride_s_row,
             stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
@@ -1083,9 +1089,25 @@ def _bwd_row_sums_kernel(
         acc1 += xhat * wdy
         if not IS_RMS_NORM:
             acc2 += wdy
-    tl.store(C12 + 2 * row, tl.sum(acc1, axis=0) / N)
+    out = C12 + 2 * PARTS * row + part
+    tl.store(out, tl.sum(acc1, axis=0) / N)
     if not IS_RMS_NORM:
-        tl.store(C12 + 2 * row + 1, tl.sum(acc2, axis=0) / N)
+        tl.store(out + PARTS, tl.sum(acc2, axis=0) / N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _row_shares_sum_kernel(
+    SHARES, C12, M, ROWS: tl.constexpr, PARTS: tl.constexpr, IS_RMS_NORM: tl.constexpr
+):
+    """C12[row] = the sums of the row's PARTS shares (SHARES, (M, 2, PARTS), from
+    _bwd_row_sums_kernel), ROWS rows per program; the same order every run."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = rows < M
+    ptrs = SHARES + 2 * PARTS * rows[:, None] + tl.arange(0, PARTS)[None, :]
+    tl.store(C12 + 2 * rows, tl.sum(tl.load(ptrs, mask=ok[:, None], other=0.0), axis=1), mask=ok)
+    if not IS_RMS_NORM:
+        c2 = tl.sum(tl.load(ptrs + PARTS, mask=ok[:, None], other=0.0), axis=1)
+        tl.store(C12 + 2 * rows + 1, c2, mask=ok)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from .kernels import (
     _bwd_row_sums_kernel,
     _fused_norm_bwd_kernel,
     _fused_norm_fwd_kernel,
+    _row_shares_sum_kernel,
     _sum_partials_kernel,
 )
 from .launch import Launcher, Stand
@@ -39,6 +40,7 @@ Tensor = torch.Tensor
 _FWD = Launcher(_fused_norm_fwd_kernel)
 _BWD = Launcher(_fused_norm_bwd_kernel)
 _SUMS = Launcher(_bwd_row_sums_kernel)
+_ADD = Launcher(_row_shares_sum_kernel)
 _RED = Launcher(_sum_partials_kernel)
 if _SMEM_AVAILABLE:
     from .smem_kernels import _bwd_smem_kernel
@@ -50,7 +52,7 @@ else:
 
 def launchers() -> tuple:
     """The launchers of every kernel ops launches (read when called: a sweep may replace one)."""
-    return tuple(lau for lau in (_FWD, _BWD, _SUMS, _RED, _SMEM) if lau is not None)
+    return tuple(lau for lau in (_FWD, _BWD, _SUMS, _ADD, _RED, _SMEM) if lau is not None)
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -656,12 +658,14 @@ def _bwd_kernel_plan(
     n = s.shape[-1]
     sums = None
     if num_chunks > 1 and not _exchanges(c12):  # rows wider than a block: c1, c2 first
-        sums_block, sums_chunks = config.block_config(
-            n, max(s.element_size(), dy.element_size()), config.BWD_SUMS_BLOCK_BYTES
+        weight_bytes = max(weight_dtype.itemsize, 0 if weight1 is None else weight1.dtype.itemsize)
+        sums_block, sums_chunks, sums_parts = config.bwd_sums_layout(
+            n, max(s.element_size(), dy.element_size()), weight_bytes
         )
         sums = dict(
             BLOCK_N=sums_block,
             NUM_CHUNKS=sums_chunks,
+            PARTS=sums_parts,
             IS_RMS_NORM=is_rms_norm,
             HAS_W1=weight1 is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
@@ -769,12 +773,7 @@ def _bwd_run(
         (_RED.warm if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     if sums is not None:
-        (_SUMS.warm if warm else _SUMS)(
-            (m,), dev,
-            (s, dy, dy1, weight, weight1, mean, rstd, c12, s.stride(0), dy.stride(0),
-             _stride0(dy1), n),
-            sums, config.BWD_SUMS_WARPS,
-        )  # fmt: skip
+        _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm)
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
         seeds, dx, dx1, dresidual, parts, c12, dropout_p, programs, ws_next,
@@ -786,6 +785,28 @@ def _bwd_run(
         return
     _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
     _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+
+
+def _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm) -> None:
+    """Launch the row-sums pre-pass into ``c12`` (or with ``warm`` start compiling it): rows in
+    ``sums["PARTS"]`` parts, whose shares go to a scratch buffer that a second kernel adds."""
+    m, n = s.shape
+    parts = sums["PARTS"]
+    dev = s.device
+    shares = c12
+    if parts > 1:
+        shape = (m, 2, parts)
+        shares = Stand(torch.float32, shape) if warm else torch.empty(shape, dtype=torch.float32,
+                                                                      device=dev)  # fmt: skip
+    args = (s, dy, dy1, weight, weight1, mean, rstd, shares, s.stride(0), dy.stride(0),
+            _stride0(dy1), n)  # fmt: skip
+    (_SUMS.warm if warm else _SUMS)((m * parts,), dev, args, sums, config.BWD_SUMS_WARPS)
+    if parts > 1:
+        rows = config.BWD_SUMS_ADD_ROWS
+        add = dict(ROWS=rows, PARTS=parts, IS_RMS_NORM=sums["IS_RMS_NORM"])
+        (_ADD.warm if warm else _ADD)(
+            (config.cdiv(m, rows),), dev, (shares, c12, m), add, config.BWD_SUMS_ADD_WARPS
+        )
 
 
 def _fitting_stages(call, flags, stage_key):

@@ -95,7 +95,7 @@ class OfflineCompile:
         )  # 228 KB per SM, 1 KB reserved per block
         shown = {k: v for k, v in constexprs.items()
                  if k in ("BLOCK_N", "TAIL_N", "NUM_CHUNKS", "SPLIT", "ROWS_PER_PROGRAM",
-                          "ROW_STAGES", "TILE_ROWS", "HOLD", "JOINT_ROW_SUMS")}  # fmt: skip
+                          "ROW_STAGES", "TILE_ROWS", "HOLD", "JOINT_ROW_SUMS", "PARTS")}  # fmt: skip
         print(f"{self.kernel.fn.__name__}: warps={num_warps} maxnreg={maxnreg} regs={regs} "
               f"stack={stack} shared={shared} programs/SM={per_sm} grid={grid} "
               f"{shown}")  # fmt: skip
@@ -104,6 +104,7 @@ class OfflineCompile:
 ops._FWD = OfflineCompile(ops._fused_norm_fwd_kernel)
 ops._BWD = OfflineCompile(ops._fused_norm_bwd_kernel)
 ops._SUMS = OfflineCompile(ops._bwd_row_sums_kernel)
+ops._ADD = OfflineCompile(ops._row_shares_sum_kernel)
 ops._RED = OfflineCompile(ops._sum_partials_kernel)
 
 

@@ -592,9 +592,10 @@ def check_case(
 class max_block_bytes:
     """Context manager: cap the forward's and the backward's block at ``value`` bytes
     (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``,
-    ``BWD_EXCHANGE_TILE_BYTES``), forcing the chunked forward and the backward's column blocks
-    (which exchange their row sums, or with ``BWD_EXCHANGE`` off take the row-sums pre-pass);
-    None leaves them alone. Restored on exit, also on failure."""
+    ``BWD_EXCHANGE_TILE_BYTES``, the pre-pass's ``BWD_SUMS_BLOCK_BYTES``), forcing the chunked
+    forward and the backward's column blocks (which exchange their row sums, or with
+    ``BWD_EXCHANGE`` off take the row-sums pre-pass, whose parts are then two chunks:
+    ``BWD_SUMS_PART_BYTES``); None leaves them alone. Restored on exit, also on failure."""
 
     NAMES = (
         "MAX_BLOCK_BYTES",
@@ -602,6 +603,7 @@ class max_block_bytes:
         "BWD_MAX_BLOCK_BYTES_MULTI",
         "BWD_TILE_BYTES",
         "BWD_EXCHANGE_TILE_BYTES",
+        "BWD_SUMS_BLOCK_BYTES",
     )
 
     def __init__(self, value: Optional[int]):
@@ -609,10 +611,11 @@ class max_block_bytes:
 
     def __enter__(self):
         cfg = fused_norm.config
-        self.saved = {k: getattr(cfg, k) for k in self.NAMES}
+        self.saved = {k: getattr(cfg, k) for k in (*self.NAMES, "BWD_SUMS_PART_BYTES")}
         if self.value is not None:
-            for k in self.saved:
+            for k in self.NAMES:
                 setattr(cfg, k, self.value)
+            cfg.BWD_SUMS_PART_BYTES = 2 * self.value
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():

@@ -561,6 +561,26 @@ def test_backward_joint_row_sums_rule():
     assert not config.bwd_joint_row_sums(2048, 8, 0, 2, 1, True)  # ... with dropout
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 1 << 19), elem=st.sampled_from([2, 4]), wbytes=st.sampled_from([2, 4]))
+def test_backward_row_sums_parts_cover_the_row(n, elem, wbytes):
+    """The pre-pass's parts (config.bwd_sums_layout): a power of two, at most
+    BWD_SUMS_MAX_PARTS, each at least BWD_SUMS_PART_BYTES of the row unless the row has fewer
+    chunks than two parts need; together they cover the row and only the last may run past
+    it; one part with 4-byte weights (bench/NOTES.md #84)."""
+    block_n, chunks, parts = config.bwd_sums_layout(n, elem, wbytes)
+    assert block_n * elem <= max(config.BWD_SUMS_BLOCK_BYTES, 8 * elem)
+    assert parts & (parts - 1) == 0 and 1 <= parts <= config.BWD_SUMS_MAX_PARTS
+    assert (parts - 1) * chunks * block_n < n <= parts * chunks * block_n
+    if parts > 1:
+        assert chunks >= max(config.BWD_SUMS_PART_BYTES // (block_n * elem), 1)
+        assert wbytes == 2
+    if wbytes == 4:
+        assert parts == 1
+    assert config.bwd_sums_layout(131072, 2, 2) == (2048, 8, 8)  # 128K 16-bit: 8 parts of 32 KB
+    assert config.bwd_sums_layout(131072, 4, 4)[2] == 1
+
+
 def test_backward_grid_holds_what_fits():
     """The backward's persistent grid takes no more programs per SM than fit at once
     (config.BWD_RESIDENT_GRID, the count from Launcher.resident), except where whole waves
@@ -865,7 +885,7 @@ def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
         def resident(self, *args, **kwargs):
             return 0
 
-    for name in ("_BWD", "_SUMS", "_RED", "_SMEM"):
+    for name in ("_BWD", "_SUMS", "_ADD", "_RED", "_SMEM"):
         monkeypatch.setattr(ops, name, Recorder(name), raising=False)
     for n in (12288, 16384):
         _smem_plan_cases(n, launched)
