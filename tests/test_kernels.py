@@ -500,6 +500,13 @@ def _stacked(*managers):
 
 @settings(max_examples=EXAMPLES_FRESH_MEMORY)
 @given(case=cases("fn", max_rows=7), layout=st.sampled_from(list(FRESH_LAYOUTS)))
+# The row-sums pre-pass in two parts (16-bit weights, five 64-byte chunks; bench/NOTES.md #84),
+# whose shares a second kernel adds into the fresh row-sums buffer.
+@example(
+    case=Case(shape=(3, 160), dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
+              dropout_p=0.1, prenorm=True, seed=1),
+    layout="chunked-prepass",
+)  # fmt: skip
 def test_outputs_independent_of_fresh_memory(case, layout):
     """Every output, mask and gradient is bitwise the same whether the tensors the package
     allocates (outputs, statistics, seeds, partial gradients, row sums) start as zeros or as

@@ -577,8 +577,19 @@ def test_backward_row_sums_parts_cover_the_row(n, elem, wbytes):
         assert wbytes == 2
     if wbytes == 4:
         assert parts == 1
-    assert config.bwd_sums_layout(131072, 2, 2) == (2048, 8, 8)  # 128K 16-bit: 8 parts of 32 KB
-    assert config.bwd_sums_layout(131072, 4, 4)[2] == 1
+
+
+def test_backward_row_sums_parts_rule():
+    """Where the pre-pass takes parts (bench/NOTES.md #84): rows with 16-bit weights at
+    128K-256K in 8 parts (32 KB each for 16-bit rows at 128K, 64 KB beyond); fp32 rows with
+    fp32 weights and bf16 rows with fp32 weights in one; a 32 KB row in one, 64 KB in two."""
+    assert config.bwd_sums_layout(131072, 2, 2) == (2048, 8, 8)
+    assert config.bwd_sums_layout(262144, 2, 2) == (2048, 16, 8)
+    assert config.bwd_sums_layout(131072, 4, 2) == (1024, 16, 8)  # an fp32 stream, bf16 weights
+    assert config.bwd_sums_layout(262144, 4, 4) == (1024, 256, 1)
+    assert config.bwd_sums_layout(262144, 2, 4) == (2048, 128, 1)
+    assert config.bwd_sums_layout(16384, 2, 2) == (2048, 8, 1)
+    assert config.bwd_sums_layout(32768, 2, 2) == (2048, 8, 2)
 
 
 def test_backward_grid_holds_what_fits():
