@@ -826,13 +826,13 @@ BWD_SUMS_ADD_ROWS = 128  # rows per program of the shares' sum, and its warps
 BWD_SUMS_ADD_WARPS = 4
 
 
-def bwd_sums_layout(n_cols: int, elem_bytes: int, weight_bytes: int) -> tuple[int, int, int]:
+def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool) -> tuple[int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, PARTS) of the row-sums pre-pass for rows of ``n_cols`` elements,
-    ``elem_bytes`` the wider of s and dy and ``weight_bytes`` of the weights: chunks of
+    ``elem_bytes`` the wider of s and dy, ``w4``: 4-byte weights (W4_RULES): chunks of
     BLOCK_N columns, NUM_CHUNKS of them per part and PARTS parts per row (a power of two, 1
     with 4-byte weights; the last part may run past the row, masked)."""
     block_n, chunks = block_config(n_cols, elem_bytes, BWD_SUMS_BLOCK_BYTES)
-    if weight_bytes > 2:
+    if w4:
         return block_n, chunks, 1
     part_chunks = max(BWD_SUMS_PART_BYTES // (block_n * elem_bytes), 1)
     parts = 1

@@ -658,9 +658,9 @@ def _bwd_kernel_plan(
     n = s.shape[-1]
     sums = None
     if num_chunks > 1 and not _exchanges(c12):  # rows wider than a block: c1, c2 first
-        weight_bytes = max(weight_dtype.itemsize, 0 if weight1 is None else weight1.dtype.itemsize)
+        w4 = _param_bytes(Stand(weight_dtype, (n,)), weight1) == 4  # the weights it reads
         sums_block, sums_chunks, sums_parts = config.bwd_sums_layout(
-            n, max(s.element_size(), dy.element_size()), weight_bytes
+            n, max(s.element_size(), dy.element_size()), w4
         )
         sums = dict(
             BLOCK_N=sums_block,

@@ -562,20 +562,20 @@ def test_backward_joint_row_sums_rule():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 1 << 19), elem=st.sampled_from([2, 4]), wbytes=st.sampled_from([2, 4]))
-def test_backward_row_sums_parts_cover_the_row(n, elem, wbytes):
+@given(n=st.integers(1, 1 << 19), elem=st.sampled_from([2, 4]), w4=st.booleans())
+def test_backward_row_sums_parts_cover_the_row(n, elem, w4):
     """The pre-pass's parts (config.bwd_sums_layout): a power of two, at most
     BWD_SUMS_MAX_PARTS, each at least BWD_SUMS_PART_BYTES of the row unless the row has fewer
     chunks than two parts need; together they cover the row and only the last may run past
     it; one part with 4-byte weights (bench/NOTES.md #84)."""
-    block_n, chunks, parts = config.bwd_sums_layout(n, elem, wbytes)
+    block_n, chunks, parts = config.bwd_sums_layout(n, elem, w4)
     assert block_n * elem <= max(config.BWD_SUMS_BLOCK_BYTES, 8 * elem)
     assert parts & (parts - 1) == 0 and 1 <= parts <= config.BWD_SUMS_MAX_PARTS
     assert (parts - 1) * chunks * block_n < n <= parts * chunks * block_n
     if parts > 1:
         assert chunks >= max(config.BWD_SUMS_PART_BYTES // (block_n * elem), 1)
-        assert wbytes == 2
-    if wbytes == 4:
+        assert not w4
+    if w4:
         assert parts == 1
 
 
@@ -583,13 +583,13 @@ def test_backward_row_sums_parts_rule():
     """Where the pre-pass takes parts (bench/NOTES.md #84): rows with 16-bit weights at
     128K-256K in 8 parts (32 KB each for 16-bit rows at 128K, 64 KB beyond); fp32 rows with
     fp32 weights and bf16 rows with fp32 weights in one; a 32 KB row in one, 64 KB in two."""
-    assert config.bwd_sums_layout(131072, 2, 2) == (2048, 8, 8)
-    assert config.bwd_sums_layout(262144, 2, 2) == (2048, 16, 8)
-    assert config.bwd_sums_layout(131072, 4, 2) == (1024, 16, 8)  # an fp32 stream, bf16 weights
-    assert config.bwd_sums_layout(262144, 4, 4) == (1024, 256, 1)
-    assert config.bwd_sums_layout(262144, 2, 4) == (2048, 128, 1)
-    assert config.bwd_sums_layout(16384, 2, 2) == (2048, 8, 1)
-    assert config.bwd_sums_layout(32768, 2, 2) == (2048, 8, 2)
+    assert config.bwd_sums_layout(131072, 2, False) == (2048, 8, 8)
+    assert config.bwd_sums_layout(262144, 2, False) == (2048, 16, 8)
+    assert config.bwd_sums_layout(131072, 4, False) == (1024, 16, 8)  # an fp32 stream, bf16 weights
+    assert config.bwd_sums_layout(262144, 4, True) == (1024, 256, 1)
+    assert config.bwd_sums_layout(262144, 2, True) == (2048, 128, 1)
+    assert config.bwd_sums_layout(16384, 2, False) == (2048, 8, 1)
+    assert config.bwd_sums_layout(32768, 2, False) == (2048, 8, 2)
 
 
 def test_backward_grid_holds_what_fits():
