@@ -1361,7 +1361,9 @@ def _store_gradient(G, j: tl.constexpr, k, cols, total, col_ok, PARTIALS: tl.con
             tl.store(G + cols, total.to(G.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+# The row blocks' count is not specialised on, so that the kernel a warm-up compiles (before
+# the backward's grid is known) is the one the launch takes.
+@triton.jit(do_not_specialize=["programs"])
 def _sum_partials_kernel(
     PARTS, G0, G1, G2, G3, G4, programs, N,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PARTIALS: tl.constexpr, STAGES: tl.constexpr,

@@ -111,13 +111,37 @@ class Stand:
 _WARM_POOL = None
 _WARM_LOCK = threading.Lock()
 
+# Threads compiling ahead of launches (Launcher.warm): a backward takes up to four kernels,
+# whose compiles overlap one another and the forward's (Triton's passes, ptxas and the C build
+# of each launcher run outside the GIL; Triton's own AsyncCompileMode builds kernels in threads).
+# One thread compiled them one after another, and the first backward waited for the last of
+# them (bench/NOTES.md #85).
+WARM_THREADS = 4
+
 
 def _warm_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _WARM_POOL
     with _WARM_LOCK:
         if _WARM_POOL is None:
-            _WARM_POOL = concurrent.futures.ThreadPoolExecutor(1, "fused_norm-warm")
+            _WARM_POOL = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, "fused_norm-warm")
         return _WARM_POOL
+
+
+def _fits(compiled, device) -> bool:
+    """Whether a compiled kernel's shared memory fits the device (else loading it raises
+    Triton's OutOfResources), asked of the driver's device properties, not by loading it."""
+    shared = getattr(compiled.metadata, "shared", 0) or 0
+    return shared <= driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+
+
+def _build_launcher(compiled) -> None:
+    """Build the C launcher of a compiled kernel into Triton's cache, as its first launch would
+    (0.2-0.4 s of a C compile per kernel signature with a cold cache): the launch then finds it
+    there. The kernel is not loaded here (no CUDA call from this thread: a stream capture may be
+    under way in another), so the launch still loads it."""
+    launcher_cls = getattr(driver.active, "launcher_cls", None)
+    if launcher_cls is not None and hasattr(compiled, "src"):
+        launcher_cls(compiled.src, compiled.metadata)
 
 
 def _options(num_warps, num_stages, maxnreg) -> dict:
@@ -230,6 +254,9 @@ class Launcher:
             pending = self.pending.pop(key, None)
             if pending is not None:
                 pending.result()  # a compile of this very kernel is under way: wait for it
+                for k, f in list(self.pending.items()):
+                    if f is pending:  # its fallback's key: compiled by then, or not needed
+                        self.pending.pop(k, None)
             options = _options(num_warps, num_stages, maxnreg)
             compiled = self._jit(grid, device, args, constexprs, options)
             if hasattr(compiled, "result"):  # an asynchronous compile
@@ -250,18 +277,24 @@ class Launcher:
                 stream = driver.active.get_current_stream(device.index)
                 run(*g, stream, function, metadata, None, None, None, *pointers, *values)
 
-    def warm(self, grid, device, args, constexprs, num_warps, num_stages=None, maxnreg=None):
+    def warm(
+        self, grid, device, args, constexprs, num_warps, num_stages=None, maxnreg=None,
+        fallback=None,
+    ):  # fmt: skip
         """Start compiling, in a background thread, the kernel that a launch with these
-        arguments (tensors or :class:`Stand`-ins) will use; the launch waits for it."""
+        arguments (tensors or :class:`Stand`-ins) will use, and its launcher; the launch waits
+        for it. ``fallback``: the constexprs a launch takes instead where that kernel's shared
+        memory does not fit the device (ops._fitting_stages); compiled then too."""
         if not (self.fast and device.type == "cuda"):
             return
-        key = _key(
-            device, num_warps, num_stages, tuple(constexprs.values()), args, maxnreg, self.loose
-        )
-        if key in self.cache or key in self.pending:
+        keys = [_key(device, num_warps, num_stages, tuple(c.values()), args, maxnreg, self.loose)
+                for c in (constexprs, fallback) if c is not None]  # fmt: skip
+        if keys[0] in self.cache or keys[0] in self.pending:
             return
         options = _options(num_warps, num_stages, maxnreg)
-        self.pending[key] = _warm_pool().submit(self._warm, grid, device, args, constexprs, options)
+        future = _warm_pool().submit(self._warm, grid, device, args, constexprs, options, fallback)
+        for key in keys:
+            self.pending.setdefault(key, future)
 
     def resident(self, device, args, constexprs, num_warps, num_stages=None, maxnreg=None) -> int:
         """Programs of the kernel these arguments (tensors or :class:`Stand`-ins) select that
@@ -275,18 +308,23 @@ class Launcher:
             pending.result()
         options = _options(num_warps, num_stages, maxnreg)
         with device_guard(device):
-            compiled = self.kernel.warmup(*args, grid=(1,), **constexprs, **options)
-            if hasattr(compiled, "result"):  # an asynchronous compile
-                compiled = compiled.result()
+            compiled = self._warmup((1,), args, constexprs, options)
             compiled.run  # noqa: B018 - loads the kernel (OutOfResources if it cannot run)
             return max_active_blocks(compiled.function, 32 * num_warps, compiled.metadata.shared)
 
-    def _warm(self, grid, device, args, constexprs, options):
+    def _warm(self, grid, device, args, constexprs, options, fallback=None):
         try:
             with device_guard(device):
-                self.kernel.warmup(*args, grid=grid, **constexprs, **options)
+                compiled = self._warmup(grid, args, constexprs, options)
+                if fallback is not None and not _fits(compiled, device):
+                    compiled = self._warmup(grid, args, fallback, options)
+                _build_launcher(compiled)
         except Exception:  # noqa: BLE001 - the launch itself compiles again and reports it
             pass
+
+    def _warmup(self, grid, args, constexprs, options):
+        compiled = self.kernel.warmup(*args, grid=grid, **constexprs, **options)
+        return compiled.result() if hasattr(compiled, "result") else compiled  # (asynchronous)
 
     def _jit(self, grid, device, args, constexprs, options):
         with device_guard(device):

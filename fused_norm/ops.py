@@ -619,9 +619,11 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
         dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps,
     )  # fmt: skip
+    # The arguments as _bwd_run's launch passes them (WS_NEXT a workspace only where the
+    # programs exchange), so that this compile is the launch's kernel, not a second one.
     args = _bwd_args(
         s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds, dx,
-        dx1, dresidual, parts, c12, dropout_p, 1, c12,
+        dx1, dresidual, parts, c12, dropout_p, 1, c12 if _exchanges(c12) else None,
     )  # fmt: skip
     return _fitting_stages(
         lambda f: _BWD.resident(dev, args, f, warps, maxnreg=maxnreg), flags, key
@@ -770,7 +772,7 @@ def _bwd_run(
             dropout_p,
         )  # fmt: skip
         (_SMEM.warm if warm else _SMEM)((programs * num_chunks,), dev, args, flags, warps)
-        (_RED.warm if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        (_warm_sum if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     if sums is not None:
         _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm)
@@ -780,11 +782,22 @@ def _bwd_run(
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
     if warm:
-        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg)
-        _RED.warm(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        fallback = {**flags, "ROW_STAGES": 1} if flags["ROW_STAGES"] > 1 else None
+        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=fallback)
+        _warm_sum(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
     _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+
+
+def _warm_sum(grid, dev, args, red, warps) -> None:
+    """Start compiling the partials' sum (_RED.warm) as the launch will take it. A warm-up's
+    plan does not know the backward's grid yet (the programs per SM that fit: _bwd_resident),
+    only a bound on it, and with fewer row blocks config.partials_sum_layout may leave the sum
+    unpipelined: that variant is compiled too."""
+    _RED.warm(grid, dev, args, red, warps)
+    if red["STAGES"] > 1:
+        _RED.warm(grid, dev, args, {**red, "STAGES": 1}, warps)
 
 
 def _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm) -> None:
