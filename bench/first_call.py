@@ -40,45 +40,28 @@ import bench  # noqa: E402  (bench/bench.py: DTYPES, environment; it puts the ch
 
 TARGET_S = 3.0
 
+
+def _every_flag(fn, t):
+    """``fn`` (layer_norm_fn or rms_norm_fn) with every flag it takes: residual, x1 with
+    weight1 (and the biases where ``t`` has them), dropout, rowscale, prenorm, zero-centred
+    weights, masks returned."""
+    return fn(t["x"], t["w"], t.get("b"), residual=t["res"], x1=t["x1"], weight1=t["w1"],
+              bias1=t.get("b1"), dropout_p=0.1, rowscale=t["rowscale"], prenorm=True,
+              zero_centered_weight=True, return_dropout_mask=True)  # fmt: skip
+
+
 # Each flag set: what it switches on, the tensors it takes (of _inputs'), and the call.
-_X1 = ("x", "res", "x1", "w", "b", "w1", "b1", "rowscale")
 FLAG_SETS = {
     "ln_all": (
         "LayerNorm: residual, x1 with weight1 and bias1, dropout 0.1, rowscale, prenorm, "
         "zero-centred weights, dropout masks returned",
-        _X1,
-        lambda fn, t: fn.layer_norm_fn(
-            t["x"],
-            t["w"],
-            t["b"],
-            residual=t["res"],
-            x1=t["x1"],
-            weight1=t["w1"],
-            bias1=t["b1"],
-            dropout_p=0.1,
-            rowscale=t["rowscale"],
-            prenorm=True,
-            zero_centered_weight=True,
-            return_dropout_mask=True,
-        ),
+        ("x", "res", "x1", "w", "b", "w1", "b1", "rowscale"),
+        lambda fn, t: _every_flag(fn.layer_norm_fn, t),
     ),
     "rms_all": (
         "RMSNorm: as ln_all, without biases",
         ("x", "res", "x1", "w", "w1", "rowscale"),
-        lambda fn, t: fn.rms_norm_fn(
-            t["x"],
-            t["w"],
-            None,
-            residual=t["res"],
-            x1=t["x1"],
-            weight1=t["w1"],
-            bias1=None,
-            dropout_p=0.1,
-            rowscale=t["rowscale"],
-            prenorm=True,
-            zero_centered_weight=True,
-            return_dropout_mask=True,
-        ),
+        lambda fn, t: _every_flag(fn.rms_norm_fn, t),
     ),
     "ln_layerscale": (
         "dropout_add_layer_norm: residual, dropout 0.1, rowscale, layerscale, prenorm, "
@@ -261,6 +244,7 @@ def main(argv=None) -> None:
     args.elements = elements
     env = bench.environment(torch.device(device), argparse.Namespace(
         smoke=args.smoke, full=False, elements=elements), {})  # fmt: skip
+    env["mode"] = "first_call smoke" if args.smoke else "first_call"
     rows = []
     for case in cases:
         row = run_case(case, elements, device, args.smoke)
