@@ -629,6 +629,22 @@ def output_check(forward, shape: Shape) -> str:
         return f"check failed: {short_error(exc)}"
 
 
+def run_cold(cmd: list) -> dict:
+    """Run ``cmd`` (a child printing one JSON object as its last line) in a fresh process with
+    empty Triton and Inductor caches; its object, or ``{"error": ...}``."""
+    stderr = ""
+    with tempfile.TemporaryDirectory(prefix="fused_norm_bench_cache_") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            stderr = proc.stderr
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+        except Exception as exc:
+            tail = stderr.strip().splitlines()[-1:]
+            return {"error": " ".join([short_error(exc)] + tail)[:240]}
+
+
 def run_first_calls(plan: Plan, rows: list):
     """First fwd+bwd call in a fresh process with an empty Triton/Inductor cache (cold start)."""
     dt = "bf16" if plan.device.type == "cuda" else plan.dtypes[0]
@@ -643,17 +659,7 @@ def run_first_calls(plan: Plan, rows: list):
                    json.dumps({**spec, "device": str(plan.device)})]  # fmt: skip
             if "--smoke" in sys.argv:
                 cmd.append("--smoke")
-            stderr = ""
-            with tempfile.TemporaryDirectory(prefix="fused_norm_bench_cache_") as cache:
-                env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))  # fmt: skip
-                try:
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-                    stderr = proc.stderr
-                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-                except Exception as exc:
-                    tail = stderr.strip().splitlines()[-1:]
-                    row["error"] = " ".join([short_error(exc)] + tail)[:240]
+            row.update(run_cold(cmd))
             rows.append(row)
             msg = row.get("error") or f"{row['first_call_s']:.2f}s ({row.get('note', '')})"
             log(plan, f"first call {prov.name} {wl_name} N={N}: {msg}")

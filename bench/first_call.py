@@ -22,9 +22,7 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -171,14 +169,7 @@ def run_case(case: str, elements: int, device: str, smoke: bool) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     if smoke:
         cmd.append("--smoke")
-    with tempfile.TemporaryDirectory(prefix="fused_norm_first_call_") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    try:
-        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    except (IndexError, ValueError):
-        row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1][:240]
+    row.update(bench.run_cold(cmd))
     if "first_call_s" in row:
         row["result"] = "pass" if row["first_call_s"] <= TARGET_S else "FAIL"
     return row

@@ -782,8 +782,7 @@ def _bwd_run(
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
     if warm:
-        fallback = {**flags, "ROW_STAGES": 1} if flags["ROW_STAGES"] > 1 else None
-        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=fallback)
+        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=_unpipelined(flags))
         _warm_sum(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
@@ -800,17 +799,19 @@ def _warm_sum(grid, dev, args, red, warps) -> None:
         _RED.warm(grid, dev, args, {**red, "STAGES": 1}, warps)
 
 
+def _empty(shape, dtype, dev, warm):
+    """A buffer the backward's kernels write: ``torch.empty``, or for a warm-up (which
+    allocates nothing) a :class:`~fused_norm.launch.Stand`-in of that dtype and shape."""
+    return Stand(dtype, shape) if warm else torch.empty(shape, dtype=dtype, device=dev)
+
+
 def _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm) -> None:
     """Launch the row-sums pre-pass into ``c12`` (or with ``warm`` start compiling it): rows in
     ``sums["PARTS"]`` parts, whose shares go to a scratch buffer that a second kernel adds."""
     m, n = s.shape
     parts = sums["PARTS"]
     dev = s.device
-    shares = c12
-    if parts > 1:
-        shape = (m, 2, parts)
-        shares = Stand(torch.float32, shape) if warm else torch.empty(shape, dtype=torch.float32,
-                                                                      device=dev)  # fmt: skip
+    shares = _empty((m, 2, parts), torch.float32, dev, warm) if parts > 1 else c12
     args = (s, dy, dy1, weight, weight1, mean, rstd, shares, s.stride(0), dy.stride(0),
             _stride0(dy1), n)  # fmt: skip
     (_SUMS.warm if warm else _SUMS)((m * parts,), dev, args, sums, config.BWD_SUMS_WARPS)
@@ -822,6 +823,12 @@ def _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm) -> None:
         )
 
 
+def _unpipelined(flags):
+    """The backward kernel's constexprs with its row loop unpipelined, the launch's fallback
+    where the pipeline's buffers do not fit (_fitting_stages); None where it is unpipelined."""
+    return {**flags, "ROW_STAGES": 1} if flags["ROW_STAGES"] > 1 else None
+
+
 def _fitting_stages(call, flags, stage_key):
     """``call(flags)``; where the pipeline's buffers do not fit this device's shared memory
     (config sizes them from an estimate), ``call`` again unpipelined, and remember that for
@@ -829,12 +836,13 @@ def _fitting_stages(call, flags, stage_key):
     try:
         return call(flags)
     except OutOfResources:
-        if flags["ROW_STAGES"] == 1:
+        fallback = _unpipelined(flags)
+        if fallback is None:
             raise
         _STAGES_THAT_FIT[stage_key] = 1
         _BWD_PLANS.clear()  # plans made before hold the stage count that did not fit
         _OP_KPLANS.clear()
-        return call({**flags, "ROW_STAGES": 1})
+        return call(fallback)
 
 
 # (device, then bwd_row_stages' arguments) -> 1 where the pipelined kernel did not fit.
@@ -997,12 +1005,9 @@ def fused_norm_bwd(
             _BWD_PLANS[key] = plan
     block_n, num_chunks, tail, smem, warps = plan.layout
 
-    def empty(shape, dtype):
-        return Stand(dtype, shape) if warm else torch.empty(shape, dtype=dtype, device=dev)
-
-    dx = empty((m, n), x_dtype)
-    dresidual = empty((m, n), residual_dtype) if plan.own_dresidual else None
-    dx1 = empty((m, n), x1_dtype) if plan.own_dx1 else None
+    dx = _empty((m, n), x_dtype, dev, warm)
+    dresidual = _empty((m, n), residual_dtype, dev, warm) if plan.own_dresidual else None
+    dx1 = _empty((m, n), x1_dtype, dev, warm) if plan.own_dx1 else None
     c12 = ws_next = ws_pair = None
     if plan.c12 == torch.int64:  # words of the row sums, -1 until published
         if warm:
@@ -1012,16 +1017,16 @@ def fused_norm_bwd(
         else:
             c12, ws_next, ws_pair = workspace.take(dev, m * num_chunks, -1)
     elif plan.c12 is not None:
-        c12 = empty((m, 2), torch.float32)
+        c12 = _empty((m, 2), torch.float32, dev, warm)
     params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
     if m == 0 and not warm:  # nothing launches
         grads = [torch.zeros((n,), dtype=p.dtype, device=dev) for p in params]
     else:
         programs = max(min(plan.max_programs, m), 1)
-        parts = empty((plan.partials, programs, n), torch.float32)
+        parts = _empty((plan.partials, programs, n), torch.float32, dev, warm)
         # Each gradient in its parameter's dtype, in storage of its own (not views of one
         # tensor); the partials' sum writes them (g0.., in the order of the slabs).
-        grads = [empty((n,), p.dtype) for p in params]
+        grads = [_empty((n,), p.dtype, dev, warm) for p in params]
         g = grads + [None] * (5 - len(grads))
         args = (
             s, weight, weight1, mean, rstd, dy, dy1, dresidual_out, x0, layerscale, rowscale,
