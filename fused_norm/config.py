@@ -806,6 +806,25 @@ def bwd_row_stages(
     return stages if stages >= 2 else 1
 
 
+def bwd_pipeline_bytes(held: int, tile_rows: int, row_bytes: int, weight_bytes: int, stages: int):
+    """A lower bound on the shared memory of the backward's row loop pipelined in ``stages``
+    (bwd_row_stages): Triton 3.6 keeps stages - 1 buffers of each load in the loop, the
+    ``held`` columns of each per-row tensor for each of the tile's rows (``row_bytes`` a
+    column) and of the weights once (``weight_bytes``; bwd_row_stages does not count them).
+    Offline (sm_90, triton 3.6; bench/NOTES.md #86) the 67 pipelined kernels of the benchmark's
+    workloads in bf16, fp16 and fp32, with and without fp32 weights, at 1K-256K columns took
+    this plus 56 to 8228 bytes, never less. The x1 path's 16-bit rows with fp32 weights in
+    8192-column blocks need 256 KB (3 stages): that kernel cannot load, and the launch runs it
+    unpipelined (ops._fitting_stages)."""
+    return (stages - 1) * held * (tile_rows * row_bytes + weight_bytes)
+
+
+def max_shared(index) -> int:
+    """Shared memory one program may take on CUDA device ``index`` (Hopper: 227 KB)."""
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 0)
+
+
 # Chunk of the backward's row-sums pre-pass (kernels.py), in bytes of the wider of s and dy, and
 # its warps. Sweeps of 2026-11-22 (H200, bf16): at N = 16K, 2K-column chunks with 8 warps read
 # at 93-101% of copy, one 16K block with 16-32 warps at 67% (LayerNorm); at 64K / 256K, 8K

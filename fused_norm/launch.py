@@ -25,9 +25,11 @@ import functools
 import inspect
 import os
 import threading
+import types
 
 import torch
 import triton
+from triton.runtime import cache as triton_cache
 from triton.runtime import driver
 
 try:
@@ -109,7 +111,9 @@ class Stand:
 
 
 _WARM_POOL = None
-_WARM_LOCK = threading.Lock()
+_BUILD_POOL = None
+_START_UP = None
+_POOL_LOCK = threading.Lock()
 
 # Threads compiling ahead of launches (Launcher.warm): a backward takes up to four kernels,
 # whose compiles overlap one another and the forward's (Triton's passes, ptxas and the C build
@@ -117,14 +121,86 @@ _WARM_LOCK = threading.Lock()
 # One thread compiled them one after another, and the first backward waited for the last of
 # them (bench/NOTES.md #85).
 WARM_THREADS = 4
+# Threads for the work beside the compiles: Triton's start-up (_start_up) and the kernels' C
+# launchers (_prebuild); they wait on subprocesses and file reads, mostly outside the GIL.
+BUILD_THREADS = 4
+
+
+def _pools() -> tuple:
+    """(the compiles' pool, the builds' pool), made at the first use."""
+    global _WARM_POOL, _BUILD_POOL
+    with _POOL_LOCK:
+        if _WARM_POOL is None:
+            _WARM_POOL = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, "fused_norm-warm")
+            _BUILD_POOL = concurrent.futures.ThreadPoolExecutor(BUILD_THREADS, "fused_norm-build")
+        return _WARM_POOL, _BUILD_POOL
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's threads are not there, so neither are its pools' workers
+    nor the jobs they ran; start again."""
+    global _WARM_POOL, _BUILD_POOL, _START_UP, _POOL_LOCK
+    _WARM_POOL = _BUILD_POOL = _START_UP = None
+    _POOL_LOCK = threading.Lock()
+    _LAUNCHERS_BUILT.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _warm_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _WARM_POOL
-    with _WARM_LOCK:
-        if _WARM_POOL is None:
-            _WARM_POOL = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, "fused_norm-warm")
-        return _WARM_POOL
+    return _pools()[0]
+
+
+def _triton_key() -> None:
+    key = getattr(triton_cache, "triton_key", None)  # Triton's hash of its own files
+    if key is not None:
+        key()
+
+
+def _start_up() -> tuple:
+    """Futures of the start-up work of Triton's first compile in a process, begun at the first
+    miss: the driver's creation (its C utilities built, with a cold cache) and triton_key (a
+    hash of Triton's own files, its 400 MB library among them), side by side. Left to the
+    compiles, every thread that compiled at once did both itself: in a first forward + backward
+    three threads took 0.5 s each for the driver and 0.85 s each for the hash, which take
+    0.35 s alone (H200 host, bench/NOTES.md #86); every compile and launcher build here waits
+    for these instead (_wait_start_up)."""
+    global _START_UP
+    pool = _pools()[1]
+    with _POOL_LOCK:
+        if _START_UP is None:
+            _START_UP = (pool.submit(lambda: driver.active), pool.submit(_triton_key))
+        return _START_UP
+
+
+def _wait_start_up(driver_only=False) -> None:
+    """Wait for _start_up's work (or only the driver's); a failure there is left for the
+    compile, which meets it again and reports it."""
+    jobs = _start_up()
+    concurrent.futures.wait(jobs[:1] if driver_only else jobs)
+
+
+# What a launcher's construction reads of a compiled kernel's metadata besides its signature
+# (Triton 3.6's CudaLauncher): the C module is built from the signature before these are read.
+_PREBUILD_METADATA = types.SimpleNamespace(
+    tensordesc_meta=None, num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+    profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
+    launch_pdl=False,
+)  # fmt: skip
+
+
+# The signatures (their types) whose launcher _prebuild has built or is building -> an Event set
+# when that is done.
+_LAUNCHERS_BUILT: dict = {}
+
+
+def _builds_launchers() -> bool:
+    """Whether the driver compiles a C launcher per kernel signature (Triton before 3.9; 3.9's
+    launches every kernel through one prebuilt function)."""
+    module = inspect.getmodule(driver.active.launcher_cls)
+    return hasattr(module, "make_launcher")
 
 
 def _fits(compiled, device) -> bool:
@@ -249,6 +325,12 @@ class Launcher:
         )
         hit = self.cache.get(key)
         if hit is None:
+            options = _options(num_warps, num_stages, maxnreg)
+            # Unless a warm-up is compiling it, this kernel compiles here: its C launcher is
+            # built beside the compile (first in the builds' queue), not after it.
+            build = None
+            if key not in self.pending:
+                build = self._prebuild(device, args, constexprs, options)
             if on_miss is not None:
                 on_miss()
             pending = self.pending.pop(key, None)
@@ -257,7 +339,11 @@ class Launcher:
                 for k, f in list(self.pending.items()):
                     if f is pending:  # its fallback's key: compiled by then, or not needed
                         self.pending.pop(k, None)
-            options = _options(num_warps, num_stages, maxnreg)
+            if build is not None:
+                _wait_start_up()
+                with device_guard(device):
+                    self._warmup(grid, args, constexprs, options)
+                concurrent.futures.wait([build])
             compiled = self._jit(grid, device, args, constexprs, options)
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
@@ -292,7 +378,10 @@ class Launcher:
         if keys[0] in self.cache or keys[0] in self.pending:
             return
         options = _options(num_warps, num_stages, maxnreg)
-        future = _warm_pool().submit(self._warm, grid, device, args, constexprs, options, fallback)
+        build = self._prebuild(device, args, constexprs, options)
+        future = _warm_pool().submit(
+            self._warm, grid, device, args, constexprs, options, fallback, build
+        )
         for key in keys:
             self.pending.setdefault(key, future)
 
@@ -312,14 +401,54 @@ class Launcher:
             compiled.run  # noqa: B018 - loads the kernel (OutOfResources if it cannot run)
             return max_active_blocks(compiled.function, 32 * num_warps, compiled.metadata.shared)
 
-    def _warm(self, grid, device, args, constexprs, options, fallback=None):
+    def _warm(self, grid, device, args, constexprs, options, fallback=None, build=None):
         try:
+            _wait_start_up()
             with device_guard(device):
                 compiled = self._warmup(grid, args, constexprs, options)
                 if fallback is not None and not _fits(compiled, device):
                     compiled = self._warmup(grid, args, fallback, options)
-                _build_launcher(compiled)
+                if build is not None:
+                    concurrent.futures.wait([build])
+                _build_launcher(compiled)  # (found in the cache where _prebuild built it)
         except Exception:  # noqa: BLE001 - the launch itself compiles again and reports it
+            pass
+
+    def _prebuild(self, device, args, constexprs, options):
+        """Start building, beside the compile, the C launcher of the kernel these arguments
+        select into Triton's cache (its source depends only on the kernel's signature): the
+        compile's own build of it, after ptxas, then finds it there. A future. (The start-up
+        jobs it waits for are queued first: a pool of builds waiting on jobs queued behind
+        them would wait for ever.)"""
+        _start_up()
+        return _pools()[1].submit(self._build, device, args, constexprs, options)
+
+    def _build(self, device, args, constexprs, options):
+        try:
+            _wait_start_up(driver_only=True)
+            if not _builds_launchers():
+                return
+            kernel = self.kernel
+            kwargs = {**constexprs, **options}
+            with device_guard(device):
+                _, _, _, backend, binder = kernel.device_caches[device.index]
+                bound, spec, opts = binder(*args, **kwargs)
+                _, signature, values, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
+                # Triton 3.6's launcher source is made of the signature's types alone: kernels
+                # (or variants) that share them share one build.
+                with _POOL_LOCK:
+                    done = _LAUNCHERS_BUILT.get(tuple(signature.values()))
+                    if done is None:
+                        _LAUNCHERS_BUILT[tuple(signature.values())] = threading.Event()
+                if done is not None:
+                    done.wait()
+                    return
+                try:
+                    src = kernel.ASTSource(kernel, signature, values, attrs)
+                    driver.active.launcher_cls(src, _PREBUILD_METADATA)
+                finally:
+                    _LAUNCHERS_BUILT[tuple(signature.values())].set()
+        except Exception:  # noqa: BLE001 - Triton's internals differ: the launch builds it
             pass
 
     def _warmup(self, grid, args, constexprs, options):

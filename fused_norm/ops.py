@@ -782,11 +782,29 @@ def _bwd_run(
     )  # fmt: skip
     grid = (programs * num_chunks,) if _exchanges(c12) else (programs, num_chunks)
     if warm:
-        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=_unpipelined(flags))
+        fallback = _unpipelined(flags)
+        sizes = (s, dy, dy1, dresidual_out, x0, weight, weight1)
+        if fallback is not None and _overflows(dev, flags, *sizes):
+            # The launch will take the fallback: it compiles beside the pipelined kernel (which
+            # the launch compiles first, and finds too big), not after it (bench/NOTES.md #86).
+            _BWD.warm(grid, dev, args, fallback, warps, maxnreg=maxnreg)
+            fallback = None
+        _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=fallback)
         _warm_sum(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
     _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+
+
+def _overflows(dev, flags, s, dy, dy1, dresidual_out, x0, weight, weight1) -> bool:
+    """Whether the backward kernel of these constexprs surely takes more shared memory than a
+    program may (config.bwd_pipeline_bytes, a lower bound; tensors may be Stand-ins)."""
+    rows = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
+    weights = weight.element_size() + (0 if weight1 is None else weight1.element_size())
+    need = config.bwd_pipeline_bytes(
+        flags["BLOCK_N"] + flags["TAIL_N"], flags["TILE_ROWS"], rows, weights, flags["ROW_STAGES"]
+    )  # fmt: skip
+    return dev.type == "cuda" and need > config.max_shared(dev.index)
 
 
 def _warm_sum(grid, dev, args, red, warps) -> None:

@@ -227,6 +227,70 @@ def test_first_backward_compiles_nothing_the_warm_up_did_not(monkeypatch, call, 
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+# The child of test_first_call_does_triton_start_up_and_each_launcher_build_once: a first
+# forward + backward in a fresh process, with counters on Triton's start-up and C builds.
+_FIRST_CALL_CHILD = """
+import hashlib, importlib, json, threading
+import torch, triton.runtime.build as build, triton.runtime.cache as cache
+import fused_norm
+from fused_norm import launch
+drivers = importlib.import_module("triton.runtime.driver")  # (triton.runtime.driver: an object)
+drivers_made, builds = [], []
+_create, _build = drivers._create_driver, build._build
+def create():
+    drivers_made.append(threading.current_thread().name)
+    return _create()
+def compile_c(name, src, *args, **kwargs):
+    with open(src, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    builds.append((name, threading.current_thread().name, digest))
+    return _build(name, src, *args, **kwargs)
+drivers._create_driver, build._build = create, compile_c
+n, rows = 16384, 8
+def act(dtype=torch.bfloat16, shape=(rows, n)):
+    return torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+x, res, x1, w, b, w1, b1 = act(), act(), act(), act(shape=n), act(shape=n), act(shape=n), act(shape=n)
+outs = fused_norm.layer_norm_fn(x, w, b, residual=res, x1=x1, weight1=w1, bias1=b1,
+                                dropout_p=0.1, prenorm=True)
+grads = torch.autograd.grad(outs, (x, res, x1, w, b, w1, b1), [torch.ones_like(o) for o in outs])
+torch.cuda.synchronize()
+print(json.dumps({"key_misses": cache.triton_key.cache_info().misses, "drivers": drivers_made,
+                  "builds": builds, "per_signature": launch._builds_launchers()}))
+"""
+
+
+@pytest.mark.gpu
+def test_first_call_does_triton_start_up_and_each_launcher_build_once(tmp_path):
+    """In a fresh process with an empty Triton cache, the first forward + backward creates
+    Triton's driver once and hashes Triton's files (triton_key) once (launch._start_up), where
+    each thread that compiled at once had done both itself; and each kernel's C launcher is
+    built once, in a builds' thread beside its compile (Launcher._prebuild), never again by a
+    launch. bench/NOTES.md #86: 0.5-1.4 s of a first forward."""
+    import json
+    import os
+    import subprocess
+
+    if not ops._FWD.fast:
+        pytest.skip("the direct launch path is off here (FUSED_NORM_FAST_LAUNCH or Triton)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_norm.__file__)))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", _FIRST_CALL_CHILD], env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["key_misses"] == 1, got
+    assert len(got["drivers"]) == 1, got["drivers"]
+    launchers = [b for b in got["builds"] if b[0] == "__triton_launcher"]
+    if got["per_signature"]:
+        assert launchers, "no launcher was built: the cache was not cold"
+    assert all(t.startswith("fused_norm-build") for _, t, _ in launchers), launchers
+    sources = [d for _, _, d in launchers]
+    assert len(sources) == len(set(sources)), f"a launcher was built twice: {launchers}"
+
+
 def test_joint_statistics_rule():
     """LayerNorm's one-block rows take the joint sum of (s, s^2) except one whole 16K 16-bit
     block without dropout or x1 (config.fwd_joint_stats, bench/NOTES.md #32)."""
