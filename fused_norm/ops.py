@@ -796,15 +796,20 @@ def _bwd_run(
     _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
 
 
-def _overflows(dev, flags, s, dy, dy1, dresidual_out, x0, weight, weight1) -> bool:
+def _overflows(dev, flags, *tensors) -> bool:
     """Whether the backward kernel of these constexprs surely takes more shared memory than a
-    program may (config.bwd_pipeline_bytes, a lower bound; tensors may be Stand-ins)."""
+    program may: _pipeline_bytes, a lower bound, above the device's limit."""
+    return dev.type == "cuda" and _pipeline_bytes(flags, *tensors) > config.max_shared(dev.index)
+
+
+def _pipeline_bytes(flags, s, dy, dy1, dresidual_out, x0, weight, weight1) -> int:
+    """config.bwd_pipeline_bytes of the backward kernel of these constexprs and tensors (or
+    Stand-ins): the rows it loads, the weights."""
     rows = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
     weights = weight.element_size() + (0 if weight1 is None else weight1.element_size())
-    need = config.bwd_pipeline_bytes(
+    return config.bwd_pipeline_bytes(
         flags["BLOCK_N"] + flags["TAIL_N"], flags["TILE_ROWS"], rows, weights, flags["ROW_STAGES"]
-    )  # fmt: skip
-    return dev.type == "cuda" and need > config.max_shared(dev.index)
+    )
 
 
 def _warm_sum(grid, dev, args, red, warps) -> None:

@@ -159,6 +159,46 @@ def test_backward_compiles_during_first_forward(monkeypatch):
         assert torch.equal(a, b)
 
 
+def _compiled_nothing(monkeypatch):
+    """Empty fused_norm's and Triton's in-memory caches of compiled kernels (and fused_norm's
+    plans), as in a process that has compiled nothing; skip where the direct path is off."""
+    from collections import defaultdict
+
+    if not ops._FWD.fast:
+        pytest.skip("the direct launch path is off here (FUSED_NORM_FAST_LAUNCH or Triton)")
+    for lau in ops.launchers():
+        monkeypatch.setattr(lau, "cache", {})
+        monkeypatch.setattr(lau, "pending", {})
+        if hasattr(lau.kernel, "device_caches"):  # Triton's in-memory kernel cache
+            monkeypatch.setattr(lau.kernel, "device_caches", defaultdict(lau.kernel.create_binder))
+    for name in ("_FWD_PLANS", "_BWD_PLANS", "_RESIDENT", "_STAGES_THAT_FIT", "_OP_KPLANS"):
+        monkeypatch.setattr(ops, name, {})
+
+
+def _first_forward(call, xd, wd, n, rows=8):
+    """(outputs, leaves) of a forward that needs gradients: "all" is LayerNorm with residual,
+    x1, weight1 and bias1, dropout, rowscale, prenorm and zero-centred weights; "drop_add"
+    dropout + add + LayerNorm, prenorm."""
+    torch.manual_seed(0)
+
+    def act(dtype):
+        return torch.randn(rows, n, device=DEVICE, dtype=dtype, requires_grad=True)
+
+    x, res = act(xd), act(xd)
+    w, b = (torch.randn(n, device=DEVICE, dtype=wd, requires_grad=True) for _ in range(2))
+    if call == "all":
+        x1 = act(xd)
+        w1, b1 = (torch.randn(n, device=DEVICE, dtype=wd, requires_grad=True) for _ in range(2))
+        rowscale = torch.rand(rows, device=DEVICE) + 0.5
+        outs = fused_norm.layer_norm_fn(
+            x, w, b, residual=res, x1=x1, weight1=w1, bias1=b1, dropout_p=0.1, rowscale=rowscale,
+            prenorm=True, zero_centered_weight=True,
+        )  # fmt: skip
+        return outs, (x, res, x1, w, b, w1, b1)
+    outs = fused_norm.layer_norm_fn(x, w, b, residual=res, dropout_p=0.1, prenorm=True)
+    return outs, (x, res, w, b)
+
+
 # (call, x dtype, weight dtype, N): the backward's kernel with its partials' sum (16384: the sum
 # unpipelined, unlike the warm-up's bound on the grid), with the row-sums pre-pass and its
 # shares' sum (262144), its unpipelined variant (fp32 weights: 3 stages do not fit), and
@@ -180,43 +220,14 @@ def test_first_backward_compiles_nothing_the_warm_up_did_not(monkeypatch, call, 
     the warm-up's). Each kernel compiled again there had cost a first call 0.3-1.2 s
     (bench/first_call.py, bench/NOTES.md #85). (The launchers the warm-up also builds go to
     Triton's on-disk cache, which this test leaves as it is: not counted here.)"""
-    from collections import defaultdict
-
     from triton import knobs
 
-    if not ops._FWD.fast:
-        pytest.skip("the direct launch path is off here (FUSED_NORM_FAST_LAUNCH or Triton)")
-    for lau in ops.launchers():  # nothing compiled yet, in fused_norm or in Triton's memory
-        monkeypatch.setattr(lau, "cache", {})
-        monkeypatch.setattr(lau, "pending", {})
-        if hasattr(lau.kernel, "device_caches"):  # Triton's in-memory kernel cache
-            monkeypatch.setattr(lau.kernel, "device_caches", defaultdict(lau.kernel.create_binder))
-    for name in ("_FWD_PLANS", "_BWD_PLANS", "_RESIDENT", "_STAGES_THAT_FIT", "_OP_KPLANS"):
-        monkeypatch.setattr(ops, name, {})
+    _compiled_nothing(monkeypatch)
     compiled = []
     monkeypatch.setattr(knobs.compilation, "listener",
                         lambda **kw: compiled.append(getattr(getattr(kw["src"], "fn", None),
                                                              "__name__", "?")))  # fmt: skip
-    torch.manual_seed(0)
-    rows = 8
-
-    def act(dtype):
-        return torch.randn(rows, n, device=DEVICE, dtype=dtype, requires_grad=True)
-
-    x, res = act(xd), act(xd)
-    w, b = (torch.randn(n, device=DEVICE, dtype=wd, requires_grad=True) for _ in range(2))
-    if call == "all":
-        x1 = act(xd)
-        w1, b1 = (torch.randn(n, device=DEVICE, dtype=wd, requires_grad=True) for _ in range(2))
-        rowscale = torch.rand(rows, device=DEVICE) + 0.5
-        outs = fused_norm.layer_norm_fn(
-            x, w, b, residual=res, x1=x1, weight1=w1, bias1=b1, dropout_p=0.1, rowscale=rowscale,
-            prenorm=True, zero_centered_weight=True,
-        )  # fmt: skip
-        leaves = (x, res, x1, w, b, w1, b1)
-    else:
-        outs = fused_norm.layer_norm_fn(x, w, b, residual=res, dropout_p=0.1, prenorm=True)
-        leaves = (x, res, w, b)
+    outs, leaves = _first_forward(call, xd, wd, n)
     assert compiled, "the forward compiled nothing: the caches were not emptied"
     for lau in ops.launchers():
         for future in list(lau.pending.values()):
@@ -225,6 +236,62 @@ def test_first_backward_compiles_nothing_the_warm_up_did_not(monkeypatch, call, 
     grads = torch.autograd.grad(outs, leaves, [torch.randn_like(o) for o in outs])
     assert compiled == [], f"the backward compiled {compiled}"
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+# Pipelined backward kernels of kernels.py (call, x dtype, weight dtype, N): the x1 path's
+# 16-bit rows with fp32 weights (256 KB: cannot load), with bf16 weights (192 KB; at 12288-16384
+# columns smem_kernels' backward takes those), fp32 rows in two stages.
+_PIPELINED = [
+    ("all", torch.bfloat16, torch.float32, 16384),
+    ("all", torch.bfloat16, torch.bfloat16, 8192),
+    ("drop_add", torch.float32, torch.float32, 8192),
+    ("drop_add", torch.bfloat16, torch.float32, 4096),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("call,xd,wd,n", _PIPELINED)
+def test_pipeline_bytes_bound_the_compiled_kernel(monkeypatch, call, xd, wd, n):
+    """config.bwd_pipeline_bytes is a lower bound on the shared memory of the pipelined
+    backward kernel as this Triton compiles it: where it exceeds the device's limit, the
+    warm-up compiles the launch's unpipelined fallback as its own job beside the pipelined
+    kernel (ops._overflows), which must then truly not fit; elsewhere the fallback is left to
+    the warm-up's check after the compile (launch._fits)."""
+    from fused_norm import config
+
+    _compiled_nothing(monkeypatch)
+    warms, checks = [], []
+    warm, overflows = ops._BWD.warm, ops._overflows
+
+    def spy_warm(*args, **kwargs):
+        warms.append((args, kwargs))
+        return warm(*args, **kwargs)
+
+    def spy_overflows(dev, flags, *tensors):
+        checks.append((flags, ops._pipeline_bytes(flags, *tensors)))
+        return overflows(dev, flags, *tensors)
+
+    monkeypatch.setattr(ops._BWD, "warm", spy_warm)
+    monkeypatch.setattr(ops, "_overflows", spy_overflows)
+    _first_forward(call, xd, wd, n)
+    assert len(checks) == 1, checks
+    flags, need = checks[0]
+    assert flags["ROW_STAGES"] > 1 and need > 0, flags
+    pipelined = [w for w in warms if w[0][3]["ROW_STAGES"] > 1]
+    assert len(pipelined) == 1, warms
+    (grid, dev, args, _, warps), kwargs = pipelined[0]
+    options = launch._options(warps, None, kwargs.get("maxnreg"))
+    compiled = ops._BWD._warmup(grid, args, flags, options)
+    shared = compiled.metadata.shared
+    assert shared >= need, f"{shared} bytes compiled, below the bound {need}"
+    limit = config.max_shared(dev.index)
+    if need > limit:  # the fallback compiles as its own job, beside the pipelined kernel
+        assert [w[0][3]["ROW_STAGES"] for w in warms] == [1, flags["ROW_STAGES"]], warms
+        assert shared > limit
+    else:
+        assert len(warms) == 1 and warms[0][1].get("fallback") is not None, warms
+    for future in list(ops._BWD.pending.values()):
+        future.result()
 
 
 # The child of test_first_call_does_triton_start_up_and_each_launcher_build_once: a first
