@@ -806,7 +806,9 @@ def bwd_row_stages(
     return stages if stages >= 2 else 1
 
 
-def bwd_pipeline_bytes(held: int, tile_rows: int, row_bytes: int, weight_bytes: int, stages: int):
+def bwd_pipeline_bytes(
+    held: int, tile_rows: int, row_bytes: int, weight_bytes: int, stages: int
+) -> int:
     """A lower bound on the shared memory of the backward's row loop pipelined in ``stages``
     (bwd_row_stages): Triton 3.6 keeps stages - 1 buffers of each load in the loop, the
     ``held`` columns of each per-row tensor for each of the tile's rows (``row_bytes`` a

@@ -311,8 +311,8 @@ class Launcher:
     def __call__(
         self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None, maxnreg=None
     ):
-        """Launch; ``on_miss`` is called first when this configuration has not been launched
-        yet (it will compile), e.g. to start compiling the backward meanwhile."""
+        """Launch; ``on_miss`` is called before the compile when this configuration has not
+        been launched yet, e.g. to start compiling the backward meanwhile."""
         if not (self.fast and device.type == "cuda") or _hooked():
             if list(constexprs) != self.constexpr_names:  # as below (the CPU tests see it too)
                 raise AssertionError(f"constexprs out of order: {list(constexprs)}")
@@ -436,10 +436,11 @@ class Launcher:
                 _, signature, values, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
                 # Triton 3.6's launcher source is made of the signature's types alone: kernels
                 # (or variants) that share them share one build.
+                types_key = tuple(signature.values())
                 with _POOL_LOCK:
-                    done = _LAUNCHERS_BUILT.get(tuple(signature.values()))
+                    done = _LAUNCHERS_BUILT.get(types_key)
                     if done is None:
-                        _LAUNCHERS_BUILT[tuple(signature.values())] = threading.Event()
+                        mine = _LAUNCHERS_BUILT[types_key] = threading.Event()
                 if done is not None:
                     done.wait()
                     return
@@ -447,7 +448,7 @@ class Launcher:
                     src = kernel.ASTSource(kernel, signature, values, attrs)
                     driver.active.launcher_cls(src, _PREBUILD_METADATA)
                 finally:
-                    _LAUNCHERS_BUILT[tuple(signature.values())].set()
+                    mine.set()
         except Exception:  # noqa: BLE001 - Triton's internals differ: the launch builds it
             pass
 
