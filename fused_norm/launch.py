@@ -26,6 +26,7 @@ import inspect
 import os
 import threading
 import types
+import weakref
 
 import torch
 import triton
@@ -138,11 +139,18 @@ def _pools() -> tuple:
 
 def _forget_pools() -> None:
     """In a forked child: the parent's threads are not there, so neither are its pools' workers
-    nor the jobs they ran; start again."""
+    nor the jobs they ran (a launch would wait for ever on a compile the parent had under way);
+    start again."""
     global _WARM_POOL, _BUILD_POOL, _START_UP, _POOL_LOCK
     _WARM_POOL = _BUILD_POOL = _START_UP = None
     _POOL_LOCK = threading.Lock()
     _LAUNCHERS_BUILT.clear()
+    for launcher in list(_LAUNCHERS):
+        launcher.pending.clear()
+
+
+# Every Launcher (for _forget_pools).
+_LAUNCHERS: weakref.WeakSet = weakref.WeakSet()
 
 
 if hasattr(os, "register_at_fork"):
@@ -307,6 +315,7 @@ class Launcher:
         self.loose = tuple(p.do_not_specialize for p in params or () if not p.is_constexpr)
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
+        _LAUNCHERS.add(self)
 
     def __call__(
         self, grid, device, args, constexprs, num_warps, num_stages=None, on_miss=None, maxnreg=None

@@ -358,6 +358,32 @@ def test_first_call_does_triton_start_up_and_each_launcher_build_once(tmp_path):
     assert len(sources) == len(set(sources)), f"a launcher was built twice: {launchers}"
 
 
+def test_a_forked_child_forgets_the_parents_compiles():
+    """A forked child has none of its parent's threads: launch._forget_pools (run after a fork)
+    drops the pools, Triton's start-up jobs, the launcher builds and every Launcher's pending
+    compiles, which the child would otherwise wait on for ever."""
+    import concurrent.futures
+    import os
+
+    never = concurrent.futures.Future()  # a compile the parent had under way
+    lau = launch.Launcher(ops._fused_norm_fwd_kernel)
+    lau.pending["key"] = never
+    launch._LAUNCHERS_BUILT[("*fp32",)] = never
+    saved = launch._WARM_POOL, launch._BUILD_POOL, launch._START_UP, launch._POOL_LOCK
+    try:
+        launch._forget_pools()
+        assert lau.pending == {} and launch._LAUNCHERS_BUILT == {}
+        assert launch._WARM_POOL is launch._BUILD_POOL is launch._START_UP is None
+    finally:
+        launch._WARM_POOL, launch._BUILD_POOL, launch._START_UP, launch._POOL_LOCK = saved
+    if hasattr(os, "fork") and sys.platform == "linux":
+        lau.pending["key"] = never
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the fork hook ran
+            os._exit(0 if not lau.pending else 1)
+        assert os.waitpid(pid, 0)[1] == 0, "the fork hook did not forget the pending compile"
+
+
 def test_joint_statistics_rule():
     """LayerNorm's one-block rows take the joint sum of (s, s^2) except one whole 16K 16-bit
     block without dropout or x1 (config.fwd_joint_stats, bench/NOTES.md #32)."""
