@@ -38,7 +38,7 @@ try:
 except ImportError:  # older Triton: only kernel[grid] launches (FAST_LAUNCH is off below)
     knobs = None
 
-from .config import device_guard
+from .config import device_guard, max_shared
 
 # Triton versions whose CompiledKernel.run convention (grid, stream, function, packed metadata,
 # launch metadata, enter/exit hooks, then every parameter in order) was read in their source.
@@ -213,9 +213,10 @@ def _builds_launchers() -> bool:
 
 def _fits(compiled, device) -> bool:
     """Whether a compiled kernel's shared memory fits the device (else loading it raises
-    Triton's OutOfResources), asked of the driver's device properties, not by loading it."""
+    Triton's OutOfResources), asked of the device's properties (config.max_shared, the limit
+    Triton's loader checks), not by loading it."""
     shared = getattr(compiled.metadata, "shared", 0) or 0
-    return shared <= driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+    return shared <= max_shared(device.index)
 
 
 def _build_launcher(compiled) -> None:
@@ -417,9 +418,8 @@ class Launcher:
                 compiled = self._warmup(grid, args, constexprs, options)
                 if fallback is not None and not _fits(compiled, device):
                     compiled = self._warmup(grid, args, fallback, options)
-                if build is not None:
-                    concurrent.futures.wait([build])
-                _build_launcher(compiled)  # (found in the cache where _prebuild built it)
+                if build is None or not build.result():  # (its prebuild did not build it)
+                    _build_launcher(compiled)
         except Exception:  # noqa: BLE001 - the launch itself compiles again and reports it
             pass
 
@@ -432,11 +432,13 @@ class Launcher:
         _start_up()
         return _pools()[1].submit(self._build, device, args, constexprs, options)
 
-    def _build(self, device, args, constexprs, options):
+    def _build(self, device, args, constexprs, options) -> bool:
+        """_prebuild's job: True once the launcher is in Triton's cache (built here or by
+        another job), or where Triton builds none per kernel; False where this failed."""
         try:
             _wait_start_up(driver_only=True)
             if not _builds_launchers():
-                return
+                return True
             kernel = self.kernel
             kwargs = {**constexprs, **options}
             with device_guard(device):
@@ -452,14 +454,15 @@ class Launcher:
                         mine = _LAUNCHERS_BUILT[types_key] = threading.Event()
                 if done is not None:
                     done.wait()
-                    return
+                    return True
                 try:
                     src = kernel.ASTSource(kernel, signature, values, attrs)
                     driver.active.launcher_cls(src, _PREBUILD_METADATA)
                 finally:
                     mine.set()
+                return True
         except Exception:  # noqa: BLE001 - Triton's internals differ: the launch builds it
-            pass
+            return False
 
     def _warmup(self, grid, args, constexprs, options):
         compiled = self.kernel.warmup(*args, grid=grid, **constexprs, **options)

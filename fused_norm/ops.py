@@ -515,6 +515,11 @@ def _exchanges(c12) -> bool:
     return c12 is not None and c12.dtype == torch.int64
 
 
+def _row_sizes(s, dy, dy1, dresidual_out, x0) -> list:
+    """The element sizes of the per-row tensors the backward kernel loads (those present)."""
+    return [t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None]
+
+
 def _bwd_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
@@ -523,8 +528,7 @@ def _bwd_plan(
     """(constexprs, stage_key, maxnreg) of the backward kernel: its flags with the pipeline's
     stage count (ROW_STAGES, last), the key under which a stage count that did not fit is
     remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins."""
-    # The per-row tensors the kernel loads: their bytes per column, and the widest.
-    row_sizes = [t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None]
+    row_sizes = _row_sizes(s, dy, dy1, dresidual_out, x0)
     row_bytes = sum(row_sizes)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
     exchange = _exchanges(c12)
@@ -805,8 +809,8 @@ def _overflows(dev, flags, *tensors) -> bool:
 def _pipeline_bytes(flags, s, dy, dy1, dresidual_out, x0, weight, weight1) -> int:
     """config.bwd_pipeline_bytes of the backward kernel of these constexprs and tensors (or
     Stand-ins): the rows it loads, the weights."""
-    rows = sum(t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None)
-    weights = weight.element_size() + (0 if weight1 is None else weight1.element_size())
+    rows = sum(_row_sizes(s, dy, dy1, dresidual_out, x0))
+    weights = _weight_bytes(weight.dtype, None if weight1 is None else weight1.dtype)
     return config.bwd_pipeline_bytes(
         flags["BLOCK_N"] + flags["TAIL_N"], flags["TILE_ROWS"], rows, weights, flags["ROW_STAGES"]
     )
