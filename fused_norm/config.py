@@ -846,6 +846,26 @@ BWD_SUMS_MAX_PARTS = 8
 BWD_SUMS_ADD_ROWS = 128  # rows per program of the shares' sum, and its warps
 BWD_SUMS_ADD_WARPS = 4
 
+# The backward's kernels after its first launched as programmatic dependents of the kernel
+# before them (Hopper's programmatic dependent launch, PDL: Triton's launch_pdl option and PTX
+# griddepcontrol): the shares' sum and the backward kernel after the row-sums pre-pass, the
+# partials' sum after the backward. A dependent's programs start while the kernel before still
+# runs (the pre-pass lets them once all its programs have started) and wait in the kernel, not
+# in the launch queue, for its writes (bench/NOTES.md #87).
+BWD_PDL = os.environ.get("FUSED_NORM_BWD_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_ok(index) -> bool:
+    """Compute capability 9+ (griddepcontrol is sm_90's)."""
+    return torch.cuda.get_device_properties(index).major >= 9
+
+
+def bwd_pdl(device: torch.device) -> bool:
+    """Whether the backward's later kernels launch as programmatic dependents (BWD_PDL): on
+    CUDA GPUs of compute capability 9 or more, not under the interpreter."""
+    return BWD_PDL and not INTERPRETED and _nvidia(device) and _pdl_ok(device.index)
+
 
 def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool) -> tuple[int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, PARTS) of the row-sums pre-pass for rows of ``n_cols`` elements,

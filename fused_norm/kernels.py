@@ -67,6 +67,7 @@ The maths (per row, N columns, fp32):
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .config import INTERPRETED
 
@@ -1068,11 +1069,16 @@ def _bwd_row_sums_kernel(
     S, DY, DY1, W, W1, MEAN, RSTD, C12, stride_s_row, stride_dy_row, stride_dy1_row, N,
     BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, PARTS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     """c1 = sum(xhat * wdy) / N and c2 = sum(wdy) / N of a row (wide rows), in PARTS parts:
     program i sums part i % PARTS of row i // PARTS, its NUM_CHUNKS chunks of BLOCK_N columns,
     into C12[row] (PARTS == 1) or else its shares into C12[row, 0, part] and C12[row, 1,
-    part] of a (M, 2, PARTS) buffer, which _row_shares_sum_kernel adds."""
+    part] of a (M, 2, PARTS) buffer, which _row_shares_sum_kernel adds. GDC: the next kernel
+    is its programmatic dependent (Hopper's PDL: config.bwd_pdl), which may launch as soon as
+    every program of this one has started (PTX griddepcontrol)."""
+    if GDC:
+        gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     row = pid // PARTS
     part = pid % PARTS
@@ -1097,10 +1103,17 @@ def _bwd_row_sums_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _row_shares_sum_kernel(
-    SHARES, C12, M, ROWS: tl.constexpr, PARTS: tl.constexpr, IS_RMS_NORM: tl.constexpr
-):
+    SHARES, C12, M, ROWS: tl.constexpr, PARTS: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    GDC: tl.constexpr,
+):  # fmt: skip
     """C12[row] = the sums of the row's PARTS shares (SHARES, (M, 2, PARTS), from
-    _bwd_row_sums_kernel), ROWS rows per program; the same order every run."""
+    _bwd_row_sums_kernel), ROWS rows per program; the same order every run. GDC: launched as
+    the pre-pass's programmatic dependent, the backward kernel as its own: the backward may
+    launch at once, and this waits until the pre-pass has finished and its writes are
+    visible."""
+    if GDC:
+        gdc_launch_dependents()
+        gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = rows < M
     ptrs = SHARES + 2 * PARTS * rows[:, None] + tl.arange(0, PARTS)[None, :]
@@ -1218,6 +1231,7 @@ def _fused_norm_bwd_kernel(
     BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
     EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
     JOINT_ROW_SUMS: tl.constexpr,  # LayerNorm's c1, c2 (or a block's word of them) in one reduction
+    GDC: tl.constexpr,  # launched as the row-sums pre-pass's programmatic dependent
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
@@ -1232,6 +1246,8 @@ def _fused_norm_bwd_kernel(
     # block, consecutive ids that GPUs start in id order, so with all of them resident at once
     # (the grid holds what fits: ops) or not, some row block always runs whole; under the
     # CPU interpreter, one program after another, the wait is bounded (BOUNDED_WAIT).
+    if GDC:  # launched as the pre-pass's programmatic dependent: C12 is the pre-pass's
+        gdc_wait()
     if EXCHANGE:
         pid = tl.program_id(0) // NUM_CHUNKS
         col0 = (tl.program_id(0) % NUM_CHUNKS) * BLOCK_N
@@ -1367,11 +1383,16 @@ def _store_gradient(G, j: tl.constexpr, k, cols, total, col_ok, PARTIALS: tl.con
 def _sum_partials_kernel(
     PARTS, G0, G1, G2, G3, G4, programs, N,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PARTIALS: tl.constexpr, STAGES: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     """``Gk[col] = sum over p of PARTS[k, p, col]`` for the ``(PARTIALS, programs, N)`` fp32
     partial parameter gradients of the backward, summed in fp32 in a fixed order and cast to
     Gk's dtype (Gk is None for k >= PARTIALS). Program ``(c, k)``: columns block ``c`` of
-    slab ``k``; its loop over the row blocks is pipelined over STAGES tiles."""
+    slab ``k``; its loop over the row blocks is pipelined over STAGES tiles. GDC: launched as
+    the backward kernel's programmatic dependent: it waits here until the backward has
+    finished and its writes are visible."""
+    if GDC:
+        gdc_wait()
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N

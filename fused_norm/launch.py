@@ -229,13 +229,16 @@ def _build_launcher(compiled) -> None:
         launcher_cls(compiled.src, compiled.metadata)
 
 
-def _options(num_warps, num_stages, maxnreg) -> dict:
-    """Triton's launch options (num_stages and maxnreg only where given)."""
+def _options(num_warps, num_stages, maxnreg, pdl=False) -> dict:
+    """Triton's launch options (num_stages and maxnreg only where given; ``pdl``: launched
+    as a programmatic dependent of the kernel before it, Triton's launch_pdl)."""
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
+    if pdl:
+        options["launch_pdl"] = True
     return options
 
 
@@ -304,11 +307,14 @@ class Launcher:
     ``kernel`` (``maxnreg``: a cap on registers per thread, or None).
 
     ``args`` are the kernel's runtime parameters in order, ``constexprs`` a dict of the
-    constexpr parameters in their order (they follow the runtime ones in our kernels).
+    constexpr parameters in their order (they follow the runtime ones in our kernels). A
+    ``dependent`` kernel launches as a programmatic dependent of the kernel before it (Triton's
+    launch_pdl) where its constexpr GDC is true, GDC saying that the kernel waits for it.
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, dependent=False):
         self.kernel = kernel
+        self.dependent = dependent
         params = getattr(kernel, "params", None)
         self.fast = FAST_LAUNCH and params is not None and hasattr(kernel, "device_caches")
         self.constexpr_names = _constexpr_names(kernel, params)
@@ -326,16 +332,15 @@ class Launcher:
         if not (self.fast and device.type == "cuda") or _hooked():
             if list(constexprs) != self.constexpr_names:  # as below (the CPU tests see it too)
                 raise AssertionError(f"constexprs out of order: {list(constexprs)}")
-            return self._jit(
-                grid, device, args, constexprs, _options(num_warps, num_stages, maxnreg)
-            )
+            options = self._options(constexprs, num_warps, num_stages, maxnreg)
+            return self._jit(grid, device, args, constexprs, options)
         values = tuple(constexprs.values())
         key, pointers = _key_and_pointers(
             device, num_warps, num_stages, values, args, maxnreg, self.loose
         )
         hit = self.cache.get(key)
         if hit is None:
-            options = _options(num_warps, num_stages, maxnreg)
+            options = self._options(constexprs, num_warps, num_stages, maxnreg)
             # Unless a warm-up is compiling it, this kernel compiles here: its C launcher is
             # built beside the compile (first in the builds' queue), not after it.
             build = None
@@ -387,7 +392,7 @@ class Launcher:
                 for c in (constexprs, fallback) if c is not None]  # fmt: skip
         if keys[0] in self.cache or keys[0] in self.pending:
             return
-        options = _options(num_warps, num_stages, maxnreg)
+        options = self._options(constexprs, num_warps, num_stages, maxnreg)
         build = self._prebuild(device, args, constexprs, options)
         future = _warm_pool().submit(
             self._warm, grid, device, args, constexprs, options, fallback, build
@@ -405,11 +410,16 @@ class Launcher:
             return 0
         for pending in list(self.pending.values()):  # a warm-up compile may be this kernel
             pending.result()
-        options = _options(num_warps, num_stages, maxnreg)
+        options = self._options(constexprs, num_warps, num_stages, maxnreg)
         with device_guard(device):
             compiled = self._warmup((1,), args, constexprs, options)
             compiled.run  # noqa: B018 - loads the kernel (OutOfResources if it cannot run)
             return max_active_blocks(compiled.function, 32 * num_warps, compiled.metadata.shared)
+
+    def _options(self, constexprs, num_warps, num_stages, maxnreg) -> dict:
+        """Triton's options of a launch of these constexprs (_options)."""
+        pdl = self.dependent and bool(constexprs.get("GDC"))
+        return _options(num_warps, num_stages, maxnreg, pdl)
 
     def _warm(self, grid, device, args, constexprs, options, fallback=None, build=None):
         try:

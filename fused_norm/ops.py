@@ -38,10 +38,10 @@ from .smem_kernels import AVAILABLE as _SMEM_AVAILABLE
 Tensor = torch.Tensor
 
 _FWD = Launcher(_fused_norm_fwd_kernel)
-_BWD = Launcher(_fused_norm_bwd_kernel)
+_BWD = Launcher(_fused_norm_bwd_kernel, dependent=True)
 _SUMS = Launcher(_bwd_row_sums_kernel)
-_ADD = Launcher(_row_shares_sum_kernel)
-_RED = Launcher(_sum_partials_kernel)
+_ADD = Launcher(_row_shares_sum_kernel, dependent=True)
+_RED = Launcher(_sum_partials_kernel, dependent=True)
 if _SMEM_AVAILABLE:
     from .smem_kernels import _bwd_smem_kernel
 
@@ -565,6 +565,7 @@ def _bwd_plan(
         JOINT_ROW_SUMS=config.bwd_joint_row_sums(
             block_n, num_chunks, tail, partials, stages, dropout_p > 0.0
         ),
+        GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,
     )
     maxnreg = config.bwd_maxnreg(
@@ -647,7 +648,8 @@ def _bwd_kernel_plan(
     red_block, red_rows, red_stages = config.partials_sum_layout(
         s.shape[-1], partials, max_programs, dev
     )
-    red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages)
+    red = dict(BLOCK_N=red_block, BLOCK_P=red_rows, PARTIALS=partials, STAGES=red_stages,
+               GDC=config.bwd_pdl(dev))  # fmt: skip
     if smem:
         flags = smem_flags(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
@@ -675,6 +677,7 @@ def _bwd_kernel_plan(
             IS_RMS_NORM=is_rms_norm,
             HAS_W1=weight1 is not None,
             ZERO_CENTERED_WEIGHT=zero_centered_weight,
+            GDC=flags["GDC"],
         )
     return flags, stage_key, maxnreg, sums, red
 
@@ -844,7 +847,7 @@ def _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm) -> None:
     (_SUMS.warm if warm else _SUMS)((m * parts,), dev, args, sums, config.BWD_SUMS_WARPS)
     if parts > 1:
         rows = config.BWD_SUMS_ADD_ROWS
-        add = dict(ROWS=rows, PARTS=parts, IS_RMS_NORM=sums["IS_RMS_NORM"])
+        add = dict(ROWS=rows, PARTS=parts, IS_RMS_NORM=sums["IS_RMS_NORM"], GDC=sums["GDC"])
         (_ADD.warm if warm else _ADD)(
             (config.cdiv(m, rows),), dev, (shares, c12, m), add, config.BWD_SUMS_ADD_WARPS
         )

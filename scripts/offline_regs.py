@@ -50,6 +50,7 @@ config.sm_count = lambda device: 132
 # device's shared memory, which a machine without a GPU cannot answer. Backward rows that take
 # it on an H100/H200 (16-bit, bwd_smem_layout's widths) show the Triton kernel they replace.
 config._smem_ok = lambda index: False
+config._pdl_ok = lambda index: True  # an H100 / H200 (sm_90)
 
 
 class OfflineCompile:
@@ -69,6 +70,8 @@ class OfflineCompile:
             opts["num_stages"] = num_stages
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
+        if constexprs.get("GDC") and self.kernel is not ops._bwd_row_sums_kernel:
+            opts["launch_pdl"] = True  # (as launch.Launcher's dependent kernels)
         bound, spec, options = self.binder(*args, **constexprs, **opts)
         options, signature, cexprs, attrs = self.kernel._pack_args(
             BACKEND, {**constexprs, **opts}, bound, spec, options

@@ -19,6 +19,7 @@ from _helpers import (
     call_fused,
     check_case,
     make_inputs,
+    run_filled,
 )
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -656,3 +657,41 @@ def test_gpu_smem_backward_misaligned_rows_take_triton():
     for got, ref in zip(grads["misaligned"], want):
         err = (got.double() - ref).abs().max() / ref.abs().max()
         assert err < 2e-2, err
+
+
+# The backward's later kernels launch as programmatic dependents (config.bwd_pdl): the pre-pass
+# path's shares' sum and column kernel (16-bit dropout + add + LayerNorm at 128K, in parts; the
+# x1 path at 256K), and the partials' sum after every backward kernel (one-block rows, the
+# shared-memory kernel at 16K). Rows as the benchmark's (2^27 elements), so that the kernels
+# after the pre-pass start while it still runs.
+PDL_CASES = [("drop_add_ln_prenorm", 131072), ("x1_w1", 262144), ("ln", 4096),
+             ("drop_add_ln_prenorm", 16384)]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, n", PDL_CASES, ids=[f"{f}-{n}" for f, n in PDL_CASES])
+def test_gpu_dependent_launches_match_serial_launches(flags, n, monkeypatch):
+    """Every output, mask and gradient bitwise the same with the backward's kernels launched
+    as programmatic dependents (their fresh memory poisoned: a kernel that read the kernel
+    before it too early would read NaN) as with plain launches; and the dependents did launch
+    so (their plans' GDC, Triton's launch_pdl where its launcher says)."""
+    from fused_norm import config, ops
+
+    case = _case(flags, n, BF16, rows=(1 << 27) // n, seed=7)
+    t = make_inputs(case, "cuda")
+    monkeypatch.setattr(config, "BWD_PDL", False)
+    serial = run_filled(case, t, poison=False)
+    monkeypatch.setattr(config, "BWD_PDL", True)
+    dependent = run_filled(case, t, poison=True)
+    assert serial.keys() == dependent.keys()
+    for k in serial:
+        assert_bitwise_equal(k, serial[k], dependent[k])
+    (plan,) = ops._BWD_PLANS.values()
+    flags_, _, _, sums, red = plan.kplan
+    assert red["GDC"], red
+    if n >= 131072:  # the pre-pass path: all four kernels in a dependent chain
+        assert sums is not None and sums["GDC"] and flags_["GDC"], (sums, flags_)
+    for launcher in (ops._BWD, ops._ADD, ops._RED):
+        for key, (run, _, _) in launcher.cache.items():
+            gdc = dict(zip(launcher.constexpr_names, key[3])).get("GDC")
+            if gdc is not None and hasattr(run, "launch_pdl"):  # (Triton 3.6's CudaLauncher)
+                assert bool(run.launch_pdl) == bool(gdc), (launcher.kernel, key)

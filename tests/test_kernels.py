@@ -467,7 +467,7 @@ def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
     grads = [torch.full((n,), float("nan"), dtype=d, device=dev) for d in dtypes[:partials]]
     ops._RED(
         (-(-n // block_n), partials), dev, (parts, *grads, *[None] * (5 - partials), programs, n),
-        dict(BLOCK_N=block_n, BLOCK_P=block_p, PARTIALS=partials, STAGES=stages),
+        dict(BLOCK_N=block_n, BLOCK_P=block_p, PARTIALS=partials, STAGES=stages, GDC=False),
         config.PARTIALS_SUM_WARPS,
     )  # fmt: skip
     for k, g in enumerate(grads):

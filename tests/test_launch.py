@@ -1104,6 +1104,7 @@ def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(config, "_nvidia", lambda device: True)
     monkeypatch.setattr(config, "_smem_ok", lambda index: True)
+    monkeypatch.setattr(config, "_pdl_ok", lambda index: True)
     monkeypatch.setattr(config, "INTERPRETED", False)
     monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
     monkeypatch.setattr(config, "sm_count", lambda device: 132)
@@ -1221,3 +1222,28 @@ def test_smem_kernel_compiles_for_sm90():
         assert f"block,tail,stages,split={(block, tail, stages, split)}" in line, line
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         assert width * (weight + stages * staged) <= shared <= 227 * 1024, line
+
+
+def test_only_dependent_kernels_launch_as_programmatic_dependents(monkeypatch):
+    """Triton's launch_pdl goes with the constexpr GDC (which makes the kernel wait for the
+    kernel before it) and only for the kernels launched after another of the backward's: the
+    shares' sum, the backward kernel and the partials' sum; the forward and the row-sums
+    pre-pass, which follow other code's kernels, never. config.bwd_pdl: only on sm_90+ GPUs."""
+    from fused_norm import config, ops
+
+    for launcher, dependent in ((ops._FWD, False), (ops._SUMS, False), (ops._ADD, True),
+                                (ops._BWD, True), (ops._RED, True)):  # fmt: skip
+        assert launcher.dependent == dependent, launcher.kernel
+        for gdc in (False, True):
+            options = launcher._options({"A": 1, "GDC": gdc}, 4, None, None)
+            assert options.get("launch_pdl", False) == (dependent and gdc), (launcher, options)
+    assert "launch_pdl" not in ops._RED._options({"STAGES": 2}, 4, 2, 64)
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    gpu = torch.device("cuda", 0)
+    for capable in (False, True):
+        monkeypatch.setattr(config, "_pdl_ok", lambda index, capable=capable: capable)
+        assert config.bwd_pdl(gpu) == capable
+        assert not config.bwd_pdl(torch.device("cpu"))
+    monkeypatch.setattr(config, "BWD_PDL", False)
+    assert not config.bwd_pdl(gpu)

@@ -5,7 +5,7 @@ drawn on the device, so capture needs no host synchronisation and each replay dr
 from __future__ import annotations
 
 import torch
-from _common import assert_close_dtype, requires_gpu
+from _common import assert_bitwise, assert_close_dtype, requires_gpu
 from torch import nn
 
 from fused_norm import LayerNorm, RMSNorm, layer_norm_fn, layer_norm_ref
@@ -89,6 +89,53 @@ def test_cuda_graph_functional_step_replays_fresh_masks():
         assert_close_dtype(snap["s"], s_ref, f"replay {i}: residual_out", torch.float32)
         for name, g, g_ref in zip(("x", "residual", "weight", "bias"), snap["grads"], grads_ref):
             assert_close_dtype(g, g_ref, f"replay {i}: grad {name}", torch.float32)
+
+
+def test_cuda_graph_replays_the_backward_s_dependent_launches():
+    """The x1 path of 16-bit rows of 256K columns: its backward is four kernels (the row-sums
+    pre-pass in parts, the shares' sum, the column kernel, the partials' sum), the last three
+    launched as programmatic dependents of the one before (config.bwd_pdl). Captured with the
+    forward and replayed on new inputs, every output and gradient is bitwise the eager call's
+    on those inputs (no dropout: the same kernels, the same order of sums)."""
+    from fused_norm import config, ops
+
+    torch.manual_seed(0)
+    m, n, dt = 8, 262144, torch.bfloat16
+    x, residual, x1 = (torch.randn(m, n, device="cuda", dtype=dt, requires_grad=True)
+                       for _ in range(3))  # fmt: skip
+    w, w1 = ((1 + 0.1 * torch.randn(n, device="cuda")).to(dt).requires_grad_() for _ in range(2))
+    b, b1 = ((0.1 * torch.randn(n, device="cuda")).to(dt).requires_grad_() for _ in range(2))
+    leaves = (x, residual, x1, w, b, w1, b1)
+    upstream = [torch.randn(m, n, device="cuda", dtype=dt) for _ in range(3)]
+
+    def outputs(*t):
+        return layer_norm_fn(t[0], t[3], t[4], residual=t[1], x1=t[2], weight1=t[5], bias1=t[6],
+                             eps=EPS, prenorm=True)  # fmt: skip
+
+    def step():
+        outs = outputs(*leaves)
+        sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
+        return outs
+
+    graph, outs = _capture(step, leaves)
+    (plan,) = [p for p in ops._BWD_PLANS.values() if p.kplan[3] is not None]
+    flags, _, _, sums, red = plan.kplan
+    assert sums["PARTS"] > 1 and sums["GDC"] and flags["GDC"] and red["GDC"], plan.kplan
+    assert config.bwd_pdl(x.device)
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (x, residual, x1):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = [t.detach().clone().requires_grad_() for t in leaves]
+        want = outputs(*fresh)
+        want_grads = torch.autograd.grad(want, fresh, upstream)
+        for name, got, exp in zip(("y", "y1", "residual_out"), outs, want):
+            assert_bitwise(got.detach(), exp.detach(), name)
+        names = ("x", "residual", "x1", "weight", "bias", "weight1", "bias1")
+        for name, t, g in zip(names, leaves, want_grads):
+            assert_bitwise(t.grad, g, f"grad {name}")
 
 
 class _SmallNet(nn.Module):
