@@ -1231,7 +1231,7 @@ def _fused_norm_bwd_kernel(
     BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
     EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
     JOINT_ROW_SUMS: tl.constexpr,  # LayerNorm's c1, c2 (or a block's word of them) in one reduction
-    GDC: tl.constexpr,  # launched as the row-sums pre-pass's programmatic dependent
+    GDC: tl.constexpr,  # a programmatic dependent of the pre-pass (or of its shares' sum)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
@@ -1246,7 +1246,7 @@ def _fused_norm_bwd_kernel(
     # block, consecutive ids that GPUs start in id order, so with all of them resident at once
     # (the grid holds what fits: ops) or not, some row block always runs whole; under the
     # CPU interpreter, one program after another, the wait is bounded (BOUNDED_WAIT).
-    if GDC:  # launched as the pre-pass's programmatic dependent: C12 is the pre-pass's
+    if GDC:  # C12 comes from the kernel before (the pre-pass or its shares' sum): wait for it
         gdc_wait()
     if EXCHANGE:
         pid = tl.program_id(0) // NUM_CHUNKS
