@@ -1383,6 +1383,12 @@ def bwd_num_programs(
 # one or two tiles cost 0.3-3.8 us.
 PARTIALS_SUM_TILE = 4096
 PARTIALS_SUM_WARPS = 4
+# Where the backward has fewer row blocks than a 256-column tile holds (16: rows wider than one
+# block, whose column programs or slices share the SMs, e.g. 4 row blocks at 256K columns), the
+# tile holds just those row blocks and is that much wider, not mostly masked rows. Bench-style,
+# H200, 2026-11-26 (bench/NOTES.md #88), four rounds: the sum 9.2 -> 6.8 us (the x1 path 256K),
+# 6.1 -> 4.0 (LayerNorm 256K), 6.0 -> 3.9 (the x1 path 128K), forward + backward 1.5-3.1 us less.
+PARTIALS_SUM_WIDE = True
 
 
 def partials_sum_layout(
@@ -1392,6 +1398,8 @@ def partials_sum_layout(
     and the tiles in flight, for ``programs`` row blocks (those of an unbounded row count: the
     row count does not choose the kernel)."""
     block_n = 256
+    if PARTIALS_SUM_WIDE and programs < PARTIALS_SUM_TILE // block_n:
+        block_n = PARTIALS_SUM_TILE // next_power_of_2(programs)  # a tile of all the row blocks
     while block_n > 16 and cdiv(n_cols, block_n) * partials < 2 * sm_count(device):
         block_n //= 2
     block_p = PARTIALS_SUM_TILE // block_n

@@ -451,7 +451,13 @@ def test_legacy_rowscale_layerscale(is_rms_norm, dtype, device):
 
 @pytest.mark.parametrize(
     "partials, programs, n, block_n, block_p, stages",
-    [(1, 5, 37, 16, 4, 1), (2, 17, 16, 16, 8, 3), (5, 300, 70, 32, 64, 3), (4, 9, 300, 256, 16, 1)],
+    [
+        (1, 5, 37, 16, 4, 1),
+        (2, 17, 16, 16, 8, 3),
+        (5, 300, 70, 32, 64, 3),
+        (4, 9, 300, 256, 16, 1),
+        (4, 3, 2500, 1024, 4, 1),
+    ],  # the last: a tile of the few row blocks (PARTIALS_SUM_WIDE)
 )
 def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
     """kernels._sum_partials_kernel: each slab of the backward's fp32 partials summed over its

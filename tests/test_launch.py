@@ -1247,3 +1247,26 @@ def test_only_dependent_kernels_launch_as_programmatic_dependents(monkeypatch):
         assert not config.bwd_pdl(torch.device("cpu"))
     monkeypatch.setattr(config, "BWD_PDL", False)
     assert not config.bwd_pdl(gpu)
+
+
+@pytest.mark.parametrize(
+    "n, partials, programs",
+    [(262144, 2, 4), (262144, 4, 4), (131072, 2, 8), (65536, 2, 16), (4096, 2, 264), (300, 5, 3)],
+)
+def test_partials_sum_tile_holds_the_few_row_blocks(n, partials, programs, monkeypatch):
+    """config.partials_sum_layout: with fewer row blocks than a 256-column tile holds, the tile
+    holds exactly their power of two (no rows of it always masked) and is that much wider,
+    unless the grid would then have fewer than two programs per SM; a tile is always
+    PARTIALS_SUM_TILE values; with many row blocks the 256-column tile as before."""
+    from fused_norm import config
+
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    block_n, block_p, stages = config.partials_sum_layout(n, partials, programs, None)
+    assert block_n * block_p == config.PARTIALS_SUM_TILE
+    two_per_sm = config.cdiv(n, block_n) * partials >= 2 * 132
+    if programs < 16:
+        assert block_p == config.next_power_of_2(programs) or not two_per_sm, (block_n, block_p)
+        assert stages == 1
+    else:
+        assert block_n <= 256
+    assert two_per_sm or block_n == 16  # narrowed until two programs per SM, or to 16 columns
