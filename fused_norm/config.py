@@ -1387,7 +1387,8 @@ PARTIALS_SUM_WARPS = 4
 # block, whose column programs or slices share the SMs, e.g. 4 row blocks at 256K columns), the
 # tile holds just those row blocks and is that much wider, not mostly masked rows. Bench-style,
 # H200, 2026-11-26 (bench/NOTES.md #88), four rounds: the sum 9.2 -> 6.8 us (the x1 path 256K),
-# 6.1 -> 4.0 (LayerNorm 256K), 6.0 -> 3.9 (the x1 path 128K), forward + backward 1.5-3.1 us less.
+# 6.1 -> 4.0 (LayerNorm 256K), 6.0 -> 3.9 (the x1 path 128K), forward + backward 0.4-3.1 us
+# less; the benchmark's backward rows at 128K-256K 0.7% faster (median; -1.9 to +0.5%).
 PARTIALS_SUM_WIDE = True
 
 

@@ -1255,7 +1255,7 @@ def test_only_dependent_kernels_launch_as_programmatic_dependents(monkeypatch):
 )
 def test_partials_sum_tile_holds_the_few_row_blocks(n, partials, programs, monkeypatch):
     """config.partials_sum_layout: with fewer row blocks than a 256-column tile holds, the tile
-    holds exactly their power of two (no rows of it always masked) and is that much wider,
+    holds the power of two that holds them (not 16 rows, most of them masked) and is wider,
     unless the grid would then have fewer than two programs per SM; a tile is always
     PARTIALS_SUM_TILE values; with many row blocks the 256-column tile as before."""
     from fused_norm import config
