@@ -856,15 +856,16 @@ BWD_PDL = os.environ.get("FUSED_NORM_BWD_PDL", "1") != "0"
 
 
 @functools.cache
-def _pdl_ok(index) -> bool:
-    """Compute capability 9+ (griddepcontrol is sm_90's)."""
+def _sm90(index) -> bool:
+    """Compute capability 9 or more on CUDA device ``index`` (Hopper): PTX griddepcontrol
+    (bwd_pdl), smem_kernels' backward (_smem_ok)."""
     return torch.cuda.get_device_properties(index).major >= 9
 
 
 def bwd_pdl(device: torch.device) -> bool:
     """Whether the backward's later kernels launch as programmatic dependents (BWD_PDL): on
     CUDA GPUs of compute capability 9 or more, not under the interpreter."""
-    return BWD_PDL and not INTERPRETED and _nvidia(device) and _pdl_ok(device.index)
+    return BWD_PDL and not INTERPRETED and _nvidia(device) and _sm90(device.index)
 
 
 def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool) -> tuple[int, int, int]:
@@ -1146,13 +1147,9 @@ def bwd_smem_layout(
 
 @functools.cache
 def _smem_ok(index) -> bool:
-    """Compute capability 9+ and blocks that may take the kernel's shared memory: Hopper's
-    227 KB (BWD_SMEM_BYTES and what the kernel's reductions use)."""
-    props = torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    )
-    optin = getattr(props, "shared_memory_per_block_optin", 0)
-    return props.major >= 9 and optin >= BWD_SMEM_BYTES + 2048
+    """Compute capability 9+ (_sm90) and blocks that may take the kernel's shared memory
+    (max_shared): Hopper's 227 KB (BWD_SMEM_BYTES and what the kernel's reductions use)."""
+    return _sm90(index) and max_shared(index) >= BWD_SMEM_BYTES + 2048
 
 
 # The backward of LayerNorm sums c1 = sum(xhat * wdy) and c2 = sum(wdy) of a row (or, where

@@ -50,7 +50,7 @@ config.sm_count = lambda device: 132
 # device's shared memory, which a machine without a GPU cannot answer. Backward rows that take
 # it on an H100/H200 (16-bit, bwd_smem_layout's widths) show the Triton kernel they replace.
 config._smem_ok = lambda index: False
-config._pdl_ok = lambda index: True  # an H100 / H200 (sm_90)
+config._sm90 = lambda index: True  # an H100 / H200 (sm_90)
 
 
 class OfflineCompile:

@@ -1104,7 +1104,7 @@ def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(config, "_nvidia", lambda device: True)
     monkeypatch.setattr(config, "_smem_ok", lambda index: True)
-    monkeypatch.setattr(config, "_pdl_ok", lambda index: True)
+    monkeypatch.setattr(config, "_sm90", lambda index: True)
     monkeypatch.setattr(config, "INTERPRETED", False)
     monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
     monkeypatch.setattr(config, "sm_count", lambda device: 132)
@@ -1242,7 +1242,7 @@ def test_only_dependent_kernels_launch_as_programmatic_dependents(monkeypatch):
     monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
     gpu = torch.device("cuda", 0)
     for capable in (False, True):
-        monkeypatch.setattr(config, "_pdl_ok", lambda index, capable=capable: capable)
+        monkeypatch.setattr(config, "_sm90", lambda index, capable=capable: capable)
         assert config.bwd_pdl(gpu) == capable
         assert not config.bwd_pdl(torch.device("cpu"))
     monkeypatch.setattr(config, "BWD_PDL", False)
