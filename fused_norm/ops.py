@@ -779,7 +779,10 @@ def _bwd_run(
             dropout_p,
         )  # fmt: skip
         (_SMEM.warm if warm else _SMEM)((programs * num_chunks,), dev, args, flags, warps)
-        (_warm_sum if warm else _RED)(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        if warm:
+            _warm_sum(dev, red_args, red, n, warps, num_chunks, smem)
+        else:
+            _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
         return
     if sums is not None:
         _row_sums(s, dy, dy1, weight, weight1, mean, rstd, c12, sums, warm)
@@ -797,7 +800,7 @@ def _bwd_run(
             _BWD.warm(grid, dev, args, fallback, warps, maxnreg=maxnreg)
             fallback = None
         _BWD.warm(grid, dev, args, flags, warps, maxnreg=maxnreg, fallback=fallback)
-        _warm_sum(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
+        _warm_sum(dev, red_args, red, n, warps, num_chunks, smem)
         return
     _fitting_stages(lambda f: _BWD(grid, dev, args, f, warps, maxnreg=maxnreg), flags, stage_key)
     _RED(red_grid, dev, red_args, red, config.PARTIALS_SUM_WARPS)
@@ -819,14 +822,24 @@ def _pipeline_bytes(flags, s, dy, dy1, dresidual_out, x0, weight, weight1) -> in
     )
 
 
-def _warm_sum(grid, dev, args, red, warps) -> None:
-    """Start compiling the partials' sum (_RED.warm) as the launch will take it. A warm-up's
-    plan does not know the backward's grid yet (the programs per SM that fit: _bwd_resident),
-    only a bound on it, and with fewer row blocks config.partials_sum_layout may leave the sum
-    unpipelined: that variant is compiled too."""
-    _RED.warm(grid, dev, args, red, warps)
-    if red["STAGES"] > 1:
-        _RED.warm(grid, dev, args, {**red, "STAGES": 1}, warps)
+def _warm_sum(dev, args, red, n, warps, num_chunks, smem) -> None:
+    """Start compiling the partials' sum (_RED.warm) in each layout the launch may take. A
+    warm-up's plan does not know the backward's grid yet (the programs per SM that fit:
+    _bwd_resident; smem_kernels' backward: one), only a bound on it, and
+    config.partials_sum_layout chooses the tile and its pipelining by the row blocks: the
+    layouts of every count of them that 1 to the bound's programs per SM give are compiled
+    (``warps``, ``num_chunks``: the backward kernel's)."""
+    per_sm = 1 if smem else max(config.BWD_WARPS_PER_SM // warps, 1)
+    layouts = {
+        config.partials_sum_layout(
+            n, red["PARTIALS"], config.bwd_num_programs(1 << 62, dev, warps, num_chunks, r), dev
+        )
+        for r in range(1, per_sm + 1)
+    }
+    for block_n, block_p, stages in sorted(layouts):
+        layout = {**red, "BLOCK_N": block_n, "BLOCK_P": block_p, "STAGES": stages}
+        grid = (config.cdiv(n, block_n), red["PARTIALS"])
+        _RED.warm(grid, dev, args, layout, config.PARTIALS_SUM_WARPS)
 
 
 def _empty(shape, dtype, dev, warm):
