@@ -476,6 +476,12 @@ FWD_SPLIT_BLOCK_BYTES = 8192
 # this many bytes, on 2 warps (fwd_split_warps; bench/NOTES.md #57).
 FWD_SPLIT_DROPOUT_64K_BYTES = 4096
 FWD_SPLIT_WARPS = 4
+# ... but these 16-bit rows, by (norm, x's dtype, columns), take parts of their own (bytes of a
+# part, warps): fwd_split_wide_parts.
+FWD_SPLIT_WIDE_PARTS = {
+    ("dropout_ln", torch.bfloat16, 131072): (16384, 8),
+    ("ln", torch.float16, 131072): (16384, 4),
+}
 FWD_SPLIT_MAX_POLLS = 0
 FWD_SPLIT_SUB_N = 128
 # The split forward's and the exchanging backwards' workspaces reset by the launch before
@@ -590,6 +596,30 @@ def fwd_split(
     if split > sm_count(device):
         return 0, 1
     return block_n, split
+
+
+def fwd_split_wide_parts(
+    norm: str, x_dtype: torch.dtype, n_cols: int, elem_bytes: int, weight_bytes: int
+) -> tuple[int, int] | None:
+    """(bytes of a part, warps) of a split forward row that measured faster in parts wider
+    than fwd_split's (FWD_SPLIT_WIDE_PARTS), else None. ``norm``: "ln" for a LayerNorm of x
+    alone, "dropout_ln" for a LayerNorm with dropout and no x1, "" otherwise; rows whose every
+    tensor is 16-bit (``elem_bytes``, the widest) with 16-bit weights (``weight_bytes``) only,
+    as measured.
+
+    Bench-style A/B in one process (H200, 2026-11-26, bench/NOTES.md #89; L2 flushed, host
+    covered, events, median of 30), against 4K-column parts (32 of a 128K-column row), five
+    rounds in two calls each: dropout + add + LayerNorm bf16 128K in 16 parts of 8K columns on
+    8 warps (64 registers under fwd_maxnreg's cap, 4 parts per SM, as the 4K parts' 8 on 4
+    warps) 291.4-293.0 -> 285.2-285.9 us (88.5 -> 90.5% of copy), and fp16 LayerNorm 128K in
+    16 parts on 4 warps 161.6-161.9 -> 158.1-158.9 us (80.0 -> 81.8%). Their neighbours keep fwd_split's
+    parts: the same parts lost for dropout + add + LayerNorm bf16 at 64K / 96K / 256K (278.8 ->
+    284.3, 287.2 -> 288.8, 295.8 -> 328.6 us) and fp16 at 64K / 128K (274.7 -> 279.6, 284.6 ->
+    288.5), for LayerNorm bf16 at 64K-256K (146.1 -> 157.6 at 64K on 4 warps) and fp16 at 64K
+    / 256K (146.1 -> 149.6, 173.1 -> 174.4)."""
+    if elem_bytes != 2 or weight_bytes > 2:
+        return None
+    return FWD_SPLIT_WIDE_PARTS.get((norm, x_dtype, n_cols))
 
 
 def fwd_split_warps(
@@ -886,6 +916,15 @@ def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool) -> tuple[int, int, i
 # Backward rows wider than one block are split into column blocks of at most this many bytes,
 # each its own program (see kernels.py); bench/NOTES.md has the sweep.
 BWD_TILE_BYTES = 16384
+# ... but the x1 path's (four partials) 16-bit rows with 16-bit weights take blocks of this many
+# bytes (4K columns, on 8 warps; bwd_num_warps): bench-style A/B in one process (H200,
+# 2026-11-26, bench/NOTES.md #90, two calls), the x1 path at 256K columns (the width where its
+# rows take the pre-pass; 2 row blocks of 64 column programs instead of 4 of 32) backward bf16
+# 549.5 -> 526.4 us (column kernel 328.5 -> 312.4 us, partials' sum 5.9 -> 2.7), fp16 544.0
+# -> 526.3 us. With fp32 weights the 4K blocks lost (256K 587.4 -> 628.1 us, 128K 585.9 ->
+# 608.6), as did dropout + add + LayerNorm's two partials (128K 486.0 -> 499.2 us, 256K 488.3
+# -> 501.2) and fp32 LayerNorm at 256K (+2.4 us).
+BWD_TILE_BYTES_X1 = 8192
 
 # The column programs of a row block exchange their partial row sums (kernels.py, EXCHANGE)
 # instead of a pre-pass kernel reading s and dy a second time: on CUDA GPUs and under the CPU
@@ -1300,8 +1339,10 @@ def bwd_block_config(
             # columns measured 4-6 points below 1K, bench/NOTES.md #44)
             eb = elem_bytes if partials >= 4 else min(elem_bytes, 2)
             block_n, num_chunks = block_config(n_cols, eb, BWD_EXCHANGE_TILE_BYTES)
-        else:
-            block_n, num_chunks = block_config(n_cols, elem_bytes, BWD_TILE_BYTES)
+        else:  # the row-sums pre-pass's column blocks
+            x1_16 = partials >= 4 and elem_bytes == 2 and not w4
+            tile = BWD_TILE_BYTES_X1 if x1_16 else BWD_TILE_BYTES
+            block_n, num_chunks = block_config(n_cols, elem_bytes, tile)
     return block_n, num_chunks
 
 

@@ -340,13 +340,20 @@ def _fwd_plan(
     )
     lane = own = None
     if split > 1:
+        norm = ""  # the rows config.fwd_split_wide_parts knows: LayerNorm alone, or with dropout
+        if not is_rms_norm and not has_x1:
+            norm = "ln" if plain else "dropout_ln" if dropout else ""
+        wide = config.fwd_split_wide_parts(norm, x_dtype, n, elem_bytes, weight_bytes)
+        if wide:  # rows whose parts measured faster wider, on warps of their own
+            block_n = wide[0] // elem_bytes
+            split = config.cdiv(n, block_n)
         num_chunks, rows = 1, 1
         kernel_block, tail = block_n, 0
         hold = config.fwd_hold(kind, split, has_x1)
         dropout_2k = dropout and not has_x1 and block_n == 2048
-        num_warps = config.fwd_split_warps(
+        num_warps = wide[1] if wide else config.fwd_split_warps(
             plain, split, kind if hold else "", dropout_2k, weight_bytes
-        )
+        )  # fmt: skip
     else:
         block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail

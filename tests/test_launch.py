@@ -681,6 +681,69 @@ def test_fp32_weights_launch_rules(monkeypatch):
     assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, w4=True)[-1] is True
 
 
+def test_split_rows_measured_in_wider_parts(monkeypatch):
+    """Split forward rows that measured faster in wider parts take them (config.FWD_SPLIT_WIDE_PARTS,
+    bench/NOTES.md #89): dropout + add + LayerNorm bf16 and LayerNorm fp16 at 128K columns in
+    16 parts of 8K; their neighbours (other widths and dtypes, RMSNorm, the x1 path, 4-byte
+    weights or streams) keep fwd_split's 4K-column parts and fwd_split_warps' warps."""
+    from fused_norm import config
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def plan(n, x, stream=None, dropout=False, rms=False, x1=False, wb=2):
+        p = ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, not rms, x1, x1,
+                          False, False, False, dropout, rms, False, wb)  # fmt: skip
+        return p.split, p.num_warps, p.maxnreg, p.constexprs["BLOCK_N"], p.constexprs["HOLD"]
+
+    cap = 64 if torch.version.hip is None else None
+    # (split, warps, register cap, block, held)
+    assert plan(131072, bf16, bf16, dropout=True) == (16, 8, cap, 8192, 0)
+    assert plan(131072, bf16, dropout=True) == (16, 8, cap, 8192, 0)  # no residual
+    assert plan(131072, fp16) == (16, 4, None, 8192, 2)  # held, widened by a conversion
+    kept = [
+        (plan(65536, bf16, bf16, dropout=True), (16, 4, cap, 4096, 0)),
+        (plan(98304, bf16, bf16, dropout=True), (24, 4, cap, 4096, 0)),
+        (plan(262144, bf16, bf16, dropout=True), (64, 4, cap, 4096, 0)),
+        (plan(131072, fp16, fp16, dropout=True), (32, 4, cap, 4096, 0)),
+        (plan(131072, bf16, bf16, dropout=True, wb=4), (32, 4, cap, 4096, 0)),
+        (plan(131072, bf16, bf16, dropout=True, x1=True), (32, 4, None, 4096, 0)),
+        (plan(131072, bf16, fp32, dropout=True)[:2], (64, 2)),  # 2K parts of a 4-byte stream
+        (plan(131072, bf16), (32, 2, None, 4096, 1)),
+        (plan(65536, fp16), (16, 4, None, 4096, 2)),
+        (plan(262144, fp16), (64, 2, None, 4096, 2)),
+        (plan(131072, fp16, rms=True), (32, 2, None, 4096, 1)),
+        (plan(131072, fp16, bf16), (32, 4, None, 4096, 0)),  # add + LayerNorm: a stream
+    ]
+    for got, want in kept:
+        assert got == want
+    assert plan(65536, bf16, fp32, dropout=True)[:2] == (32, 2)  # 4-byte stream, 256 KB rows
+    assert config.fwd_split_wide_parts("ln", fp16, 131072, 2, 4) is None
+    assert config.fwd_split_wide_parts("ln", fp16, 131072, 4, 2) is None
+    assert config.fwd_split_wide_parts("", bf16, 131072, 2, 2) is None
+
+
+def test_x1_pre_pass_column_blocks():
+    """The x1 path's 16-bit rows with 16-bit weights take 4K-column blocks after the row-sums
+    pre-pass (config.BWD_TILE_BYTES_X1, bench/NOTES.md #90); with 4-byte weights, 4-byte rows
+    or two partials the blocks stay BWD_TILE_BYTES (8K 16-bit columns)."""
+    from fused_norm import config
+
+    # (n_cols, elem_bytes, partials, dropout, exchange, w4) -> (BLOCK_N, NUM_CHUNKS)
+    assert config.bwd_block_config(262144, 2, 4) == (4096, 64)
+    assert config.bwd_block_config(262144, 2, 4, dropout=True) == (4096, 64)
+    assert config.bwd_block_config(262144, 2, 4, w4=True) == (8192, 32)
+    assert config.bwd_block_config(262144, 4, 4) == (4096, 64)  # 16 KB of 4-byte columns
+    assert config.bwd_block_config(262144, 2, 2, dropout=True) == (8192, 32)
+    assert config.bwd_block_config(131072, 2, 2) == (8192, 16)
+    # the exchange's blocks are its own
+    assert config.bwd_block_config(32768, 2, 4, exchange=True) == (2048, 16)
+
+
 def test_backward_stages_of_a_plain_rmsnorm_at_2048():
     """bench/NOTES.md #57: RMSNorm of x alone whose 2048-column row fills its block pipelines
     its row loop over 2 stages; padded rows (1536), add + RMSNorm and LayerNorm keep 1."""
