@@ -603,20 +603,20 @@ def fwd_split_wide_parts(
 ) -> tuple[int, int] | None:
     """(bytes of a part, warps) of a split forward row that measured faster in parts wider
     than fwd_split's (FWD_SPLIT_WIDE_PARTS), else None. ``norm``: "ln" for a LayerNorm of x
-    alone, "dropout_ln" for a LayerNorm with dropout and no x1, "" otherwise; rows whose every
-    tensor is 16-bit (``elem_bytes``, the widest) with 16-bit weights (``weight_bytes``) only,
-    as measured.
+    alone held in 16 bits (fwd_hold), "dropout_ln" for a LayerNorm with dropout and no x1, ""
+    otherwise; rows whose every tensor is 16-bit (``elem_bytes``, the widest) with 16-bit
+    weights (``weight_bytes``) only, as measured.
 
     Bench-style A/B in one process (H200, 2026-11-26, bench/NOTES.md #89; L2 flushed, host
     covered, events, median of 30), against 4K-column parts (32 of a 128K-column row), five
     rounds in two calls each: dropout + add + LayerNorm bf16 128K in 16 parts of 8K columns on
     8 warps (64 registers under fwd_maxnreg's cap, 4 parts per SM, as the 4K parts' 8 on 4
     warps) 291.4-293.0 -> 285.2-285.9 us (88.5 -> 90.5% of copy), and fp16 LayerNorm 128K in
-    16 parts on 4 warps 161.6-161.9 -> 158.1-158.9 us (80.0 -> 81.8%). Their neighbours keep fwd_split's
-    parts: the same parts lost for dropout + add + LayerNorm bf16 at 64K / 96K / 256K (278.8 ->
-    284.3, 287.2 -> 288.8, 295.8 -> 328.6 us) and fp16 at 64K / 128K (274.7 -> 279.6, 284.6 ->
-    288.5), for LayerNorm bf16 at 64K-256K (146.1 -> 157.6 at 64K on 4 warps) and fp16 at 64K
-    / 256K (146.1 -> 149.6, 173.1 -> 174.4)."""
+    16 parts on 4 warps 161.6-161.9 -> 158.1-158.9 us (80.0 -> 81.8%). Their neighbours keep
+    fwd_split's parts: the same parts lost for dropout + add + LayerNorm bf16 at 64K / 96K /
+    256K (278.8 -> 284.3, 287.2 -> 288.8, 295.8 -> 328.6 us) and fp16 at 64K / 128K (274.7 ->
+    279.6, 284.6 -> 288.5), for LayerNorm bf16 at 64K-256K (146.1 -> 157.6 at 64K on 4 warps)
+    and fp16 at 64K / 256K (146.1 -> 149.6, 173.1 -> 174.4)."""
     if elem_bytes != 2 or weight_bytes > 2:
         return None
     return FWD_SPLIT_WIDE_PARTS.get((norm, x_dtype, n_cols))

@@ -340,9 +340,13 @@ def _fwd_plan(
     )
     lane = own = None
     if split > 1:
-        norm = ""  # the rows config.fwd_split_wide_parts knows: LayerNorm alone, or with dropout
-        if not is_rms_norm and not has_x1:
-            norm = "ln" if plain else "dropout_ln" if dropout else ""
+        # The rows config.fwd_split_wide_parts knows: LayerNorm of x alone held in 16 bits (no
+        # rowscale or layerscale: config.fwd_hold_kind), or with dropout and no x1.
+        norm = ""
+        if not is_rms_norm and not has_x1 and plain:
+            norm = "ln" if kind in ("bf16", "fp16") else ""
+        elif not is_rms_norm and not has_x1 and dropout:
+            norm = "dropout_ln"
         wide = config.fwd_split_wide_parts(norm, x_dtype, n, elem_bytes, weight_bytes)
         if wide:  # rows whose parts measured faster wider, on warps of their own
             block_n = wide[0] // elem_bytes

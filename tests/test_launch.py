@@ -695,9 +695,9 @@ def test_split_rows_measured_in_wider_parts(monkeypatch):
     monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
-    def plan(n, x, stream=None, dropout=False, rms=False, x1=False, wb=2):
+    def plan(n, x, stream=None, dropout=False, rms=False, x1=False, wb=2, rowscale=False):
         p = ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, not rms, x1, x1,
-                          False, False, False, dropout, rms, False, wb)  # fmt: skip
+                          rowscale, False, False, dropout, rms, False, wb)  # fmt: skip
         return p.split, p.num_warps, p.maxnreg, p.constexprs["BLOCK_N"], p.constexprs["HOLD"]
 
     cap = 64 if torch.version.hip is None else None
@@ -718,6 +718,7 @@ def test_split_rows_measured_in_wider_parts(monkeypatch):
         (plan(262144, fp16), (64, 2, None, 4096, 2)),
         (plan(131072, fp16, rms=True), (32, 2, None, 4096, 1)),
         (plan(131072, fp16, bf16), (32, 4, None, 4096, 0)),  # add + LayerNorm: a stream
+        (plan(131072, fp16, rowscale=True), (32, 2, None, 4096, 0)),  # not held: in fp32
     ]
     for got, want in kept:
         assert got == want
