@@ -343,9 +343,9 @@ def _fwd_plan(
         # The rows config.fwd_split_wide_parts knows: LayerNorm of x alone held in 16 bits (no
         # rowscale or layerscale: config.fwd_hold_kind), or with dropout and no x1.
         norm = ""
-        if not is_rms_norm and not has_x1 and plain:
-            norm = "ln" if kind in ("bf16", "fp16") else ""
-        elif not is_rms_norm and not has_x1 and dropout:
+        if plain == "ln" and kind in ("bf16", "fp16"):
+            norm = "ln"
+        elif dropout and not has_x1 and not is_rms_norm:
             norm = "dropout_ln"
         wide = config.fwd_split_wide_parts(norm, x_dtype, n, elem_bytes, weight_bytes)
         if wide:  # rows whose parts measured faster wider, on warps of their own

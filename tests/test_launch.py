@@ -582,6 +582,23 @@ def test_backward_register_cap_reaches_the_launch(monkeypatch):
     assert maxnreg(torch.float32) is None
 
 
+@pytest.fixture
+def gpu_rules(monkeypatch):
+    """config's launch rules as on a 132-SM NVIDIA GPU, on a machine without one."""
+    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
+
+
+def _gpu_fwd_plan(n, x, stream=None, dropout=False, rms=False, x1=False, wb=2, rowscale=False):
+    """ops._fwd_plan on a CUDA device: x and y of dtype ``x``, a residual stream of dtype
+    ``stream`` in and out (None: none), x1 with weight1 and bias1 where ``x1``, a bias unless
+    ``rms``, weights of ``wb`` bytes."""
+    return ops._fwd_plan(torch.device("cuda"), n, x, x, stream, x if x1 else None, stream,
+                         not rms, x1, x1, rowscale, False, False, dropout, rms, False, wb)  # fmt: skip
+
+
 def test_launch_of_rows_of_4_byte_elements(monkeypatch):
     """bench/NOTES.md #57: fp32 rows and rows with an fp32 stream. A one-block 16K-column
     forward with dropout or x1 takes FWD_WIDE_ELEM_BLOCK's warps and cap (through ops' plan,
@@ -613,8 +630,7 @@ def test_launch_of_rows_of_4_byte_elements(monkeypatch):
     bf16, fp32 = torch.bfloat16, torch.float32
 
     def plan(n, x, stream, dropout, x1=False):
-        return ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, True, x1, x1,
-                             False, False, False, dropout, False, False)[:4]  # fmt: skip
+        return _gpu_fwd_plan(n, x, stream, dropout, x1=x1)[:4]
 
     assert plan(16384, bf16, fp32, True) == (1, 1, 16, 64)
     assert plan(16384, fp32, fp32, True) == (1, 1, 32, 80)
@@ -637,21 +653,14 @@ def test_launch_of_rows_of_4_byte_elements(monkeypatch):
     assert config.bwd_num_warps(4096, 2, elem_bytes=4) == 8
 
 
-def test_fp32_weights_launch_rules(monkeypatch):
+def test_fp32_weights_launch_rules(monkeypatch, gpu_rules):
     """16-bit rows whose weights are 4 bytes take their own choices (bench/NOTES.md #59);
     weights as wide as the rows keep the others."""
-    from fused_norm import config
-
     gpu = torch.device("cuda")
-    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
-    monkeypatch.setattr(config, "INTERPRETED", False)
-    monkeypatch.setattr(config, "sm_count", lambda device: 132)
-    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
     bf16, fp32 = torch.bfloat16, torch.float32
 
     def plan(n, x, wb, rms=False, x1=False, stream=None):
-        return ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, not rms, x1,
-                             x1, False, False, False, False, rms, False, wb)  # fmt: skip
+        return _gpu_fwd_plan(n, x, stream, rms=rms, x1=x1, wb=wb)
 
     # LayerNorm of x alone: 24K-32K columns split into held 4K-column parts on 2 warps
     assert plan(32768, bf16, 4)[:3] == (8, 1, 2) and plan(32768, bf16, 4)[4]["HOLD"] == 1
@@ -681,23 +690,15 @@ def test_fp32_weights_launch_rules(monkeypatch):
     assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, w4=True)[-1] is True
 
 
-def test_split_rows_measured_in_wider_parts(monkeypatch):
+def test_split_rows_measured_in_wider_parts(gpu_rules):
     """Split forward rows that measured faster in wider parts take them (config.FWD_SPLIT_WIDE_PARTS,
     bench/NOTES.md #89): dropout + add + LayerNorm bf16 and LayerNorm fp16 at 128K columns in
     16 parts of 8K; their neighbours (other widths and dtypes, RMSNorm, the x1 path, 4-byte
     weights or streams) keep fwd_split's 4K-column parts and fwd_split_warps' warps."""
-    from fused_norm import config
-
-    gpu = torch.device("cuda")
-    monkeypatch.setattr(config, "_nvidia", lambda device: device.type == "cuda")
-    monkeypatch.setattr(config, "INTERPRETED", False)
-    monkeypatch.setattr(config, "sm_count", lambda device: 132)
-    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
-    def plan(n, x, stream=None, dropout=False, rms=False, x1=False, wb=2, rowscale=False):
-        p = ops._fwd_plan(gpu, n, x, x, stream, x if x1 else None, stream, not rms, x1, x1,
-                          rowscale, False, False, dropout, rms, False, wb)  # fmt: skip
+    def plan(*args, **kwargs):
+        p = _gpu_fwd_plan(*args, **kwargs)
         return p.split, p.num_warps, p.maxnreg, p.constexprs["BLOCK_N"], p.constexprs["HOLD"]
 
     cap = 64 if torch.version.hip is None else None
