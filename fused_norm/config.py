@@ -1036,8 +1036,47 @@ BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
 BWD_SMEM_X1 = True
 BWD_SMEM_X1_SLICE_MIN_BYTES = 49152
 BWD_SMEM_X1_TAILS = True
-# Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets).
+# Rows in slices with a residual gradient in and x's dropout (dropout + add + LayerNorm with
+# prenorm) of 4-byte rows (x and its stream fp32): dresidual_out, read once in pass 2, is
+# loaded a row ahead into registers instead of staged (smem_kernels' DRES_REGS), so that the
+# shared memory has room to move the dropout decisions to 4-column layouts
+# (BWD_SMEM_FP32_DROPOUT_VEC, bwd_smem_fp32_vec), whose 16-byte accesses leave shared memory
+# free of the bank conflicts of 8 fp32 columns a thread. Bench-style A/B, H200, 2026-11-26
+# (bench/NOTES.md #92), fp32 16384 (two 8K slices), backward: 945.6 -> 925.7 us in registers
+# alone, 945.2 -> 761.7 and 940.2 -> 764.2 us with the 4-column layouts (forward + backward
+# 1490.4 -> 1308.8 us); a row ahead with 3 stages (LAG at 2 slices) lost, 1016 us. Not taken
+# where measured slower: without dropout (already 4 columns a thread) 544.9 -> 572.5 us; bf16
+# x with an fp32 stream 662 -> 667 us (its 6 staged bytes a column would fall under
+# BWD_SMEM_SLICE_MIN_BYTES besides).
+BWD_SMEM_DRES_REGS = True
+
+
+def bwd_smem_dres_regs(x1: bool, dy_bytes: int, dropout: bool) -> bool:
+    """Whether smem_kernels' sliced backward holds dresidual_out in registers, not staged
+    (BWD_SMEM_DRES_REGS): rows with x's ``dropout`` whose dy (``dy_bytes``, x's dtype) is
+    4-byte, not x1's second output (``x1``)."""
+    return BWD_SMEM_DRES_REGS and dropout and not x1 and dy_bytes == 4
+
+
+# Contiguous elements per thread of 4-byte rows without dropout (with it: 8, whole octets, or
+# BWD_SMEM_FP32_DROPOUT_VEC where dresidual_out is held in registers: bwd_smem_fp32_vec).
 BWD_SMEM_FP32_VEC = 4
+BWD_SMEM_FP32_DROPOUT_VEC = 4
+
+
+def bwd_smem_fp32_vec(dropout: bool, dres_regs: bool = False, width: int = 0,
+                      fixed_bytes: int = 0) -> int:  # fmt: skip
+    """Contiguous columns a thread of smem_kernels' backward takes of rows of 4-byte elements:
+    BWD_SMEM_FP32_VEC; with dropout 8 (whole octets of keep-decisions), or
+    BWD_SMEM_FP32_DROPOUT_VEC in slices of ``width`` columns whose dresidual_out is held in
+    registers (``dres_regs``, bwd_smem_dres_regs) where shared memory has room for the
+    decisions' move (one byte a column, smem_kernels._keep) beside the ``fixed_bytes`` a
+    column the slice stages and holds."""
+    if not dropout:
+        return BWD_SMEM_FP32_VEC
+    if dres_regs and width * (fixed_bytes + 1) <= BWD_SMEM_BYTES:
+        return BWD_SMEM_FP32_DROPOUT_VEC
+    return 8
 
 
 def bwd_smem_width(n_cols: int) -> bool:

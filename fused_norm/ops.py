@@ -501,9 +501,14 @@ def _bwd_launch(
     )  # fmt: skip
 
 
-def _staged_bytes(s, dy, dresidual_out, dy1) -> int:
-    """Bytes per column of the rows smem_kernels' backward stages: s, dy, dresidual_out and
-    dy1 (those present)."""
+def _staged_bytes(s, dy, dresidual_out, dy1, dropout) -> int:
+    """Bytes per column of the rows smem_kernels' backward stages in slices: s, dy,
+    dresidual_out and dy1 (those present), but dresidual_out where it is held in registers
+    (config.bwd_smem_dres_regs; ``dropout``: x was dropped)."""
+    if dresidual_out is not None and config.bwd_smem_dres_regs(
+        dy1 is not None, dy.element_size(), dropout
+    ):
+        dresidual_out = None
     return sum(t.element_size() for t in (s, dy, dresidual_out, dy1) if t is not None)
 
 
@@ -665,8 +670,8 @@ def _bwd_kernel_plan(
         flags = smem_flags(
             s.shape[-1], s.element_size(), is_rms_norm, has_bias, zero_centered_weight,
             dresidual_out is not None, dresidual is not None, dropout_p > 0.0, weight_dtype,
-            _staged_bytes(s, dy, dresidual_out, dy1) if num_chunks > 1 else 0,
-            None if weight1 is None else weight1.dtype, has_b1,
+            _staged_bytes(s, dy, dresidual_out, dy1, dropout_p > 0.0) if num_chunks > 1 else 0,
+            None if weight1 is None else weight1.dtype, has_b1, dy.element_size(),
         )  # fmt: skip
         return flags, None, None, None, red
     flags, stage_key, maxnreg = _bwd_plan(
@@ -696,7 +701,7 @@ def _bwd_kernel_plan(
 def smem_flags(
     n, elem_bytes, is_rms_norm, has_bias, zero_centered_weight, has_dres_out=False,
     store_dres=False, dropout=False, weight_dtype=torch.bfloat16, sliced_bytes=0,
-    weight1_dtype=None, has_b1=False,
+    weight1_dtype=None, has_b1=False, dy_bytes=2,
 ) -> dict:  # fmt: skip
     """The constexprs of smem_kernels' kernel for rows of ``n`` columns of ``elem_bytes``-byte
     elements (s's; config.bwd_smem_layout's layout, BWD_SMEM_WARPS; scripts/compile_smem.py
@@ -706,18 +711,28 @@ def smem_flags(
     ``sliced_bytes`` > 0: the row is taken in slices (config.bwd_smem_slices), its staged rows
     that many bytes per column; partial dW then in registers, the weight in shared memory.
     ``weight1_dtype`` (in slices): a second output (x1's path) with a second weight of that
-    dtype, and with ``has_b1`` a second bias."""
+    dtype, and with ``has_b1`` a second bias. ``dy_bytes``: the element size of dy (x's dtype;
+    4 with ``has_dres_out`` and ``dropout`` holds dresidual_out in registers in slices,
+    config.bwd_smem_dres_regs, not counted in ``sliced_bytes``)."""
     warps = config.BWD_SMEM_WARPS
     has_w1 = weight1_dtype is not None
+    dres_regs = (
+        bool(sliced_bytes) and has_dres_out and config.bwd_smem_dres_regs(has_w1, dy_bytes, dropout)
+    )
+    vec = 8  # 16 bytes of a 16-bit row
     if sliced_bytes:
-        width, split, stages, lag = config.bwd_smem_slices(
-            n, sliced_bytes, _weight_bytes(weight_dtype, weight1_dtype), has_w1
-        )
+        weight_bytes = _weight_bytes(weight_dtype, weight1_dtype)
+        width, split, stages, lag = config.bwd_smem_slices(n, sliced_bytes, weight_bytes, has_w1)
         (block, tail), dw_regs = config.slice_parts(width), True
+        if elem_bytes == 4:  # whole octets of dropout decisions, or their move (smem_kernels._keep)
+            fixed = weight_bytes + stages * sliced_bytes
+            vec = config.bwd_smem_fp32_vec(dropout, dres_regs, width, fixed)
     else:
         block_n, tail, stages = config.bwd_smem_layout(n, has_dres_out, weight_dtype)
         block = block_n // 2 if tail else block_n
         split, lag, dw_regs = 1, False, config.bwd_smem_dw_regs(has_dres_out, weight_dtype, tail)
+        if elem_bytes == 4:
+            vec = config.bwd_smem_fp32_vec(dropout)
     return dict(
         BLOCK_N=block,
         TAIL_N=tail,
@@ -729,8 +744,7 @@ def smem_flags(
         ZERO_CENTERED_WEIGHT=zero_centered_weight,
         DW_REGS=dw_regs,
         STAGES=stages,
-        # 16 bytes of a 16-bit row; whole Philox octets (smem_kernels._keep)
-        VEC=8 if dropout or elem_bytes == 2 else config.BWD_SMEM_FP32_VEC,
+        VEC=vec,
         TAIL_VEC=max(tail // (32 * warps), 1),
         NUM_WARPS=warps,
         SPLIT=split,
@@ -739,6 +753,7 @@ def smem_flags(
         HAS_W1=has_w1,
         HAS_B1=has_b1,
         WS_PREFETCH=split > 1 and config.BWD_SMEM_WS_PREFETCH,
+        DRES_REGS=dres_regs,
     )
 
 
@@ -958,7 +973,7 @@ def _bwd_make_plan(
     kind = None
     if not own_dx1 and rowscale is None and layerscale is None:
         kind = "x1" if dy1 is not None else "plain" if plain else "residual"
-    staged = _staged_bytes(s, dy, dresidual_out, dy1)
+    staged = _staged_bytes(s, dy, dresidual_out, dy1, dropout)
     smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned, staged)
     if smem:  # one program per SM (its shared memory), the row held whole or in slices
         warps = config.BWD_SMEM_WARPS

@@ -28,13 +28,14 @@ and a tail of TAIL_N (two slices of a row whose half is no power of two; not wit
 
 With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
 dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in, staged
-with s and dy and added in pass 2; with dropout dx is ds through x's keep-mask, regenerated
-from the row's seed by the same Philox draws as kernels.py's (its _octet_bits and _keeps,
-called from here). x1's second output (HAS_W1: y1 from weight1 and bias1, in slices) adds
-dy1, staged with the rest, to the row's terms (wdy = w * dy + w1 * dy1) and its partials dW1,
-dB1 (registers, the second weight in shared memory); x1's gradient is then dx (#75). What the
-kernel does not do (x1's dropout, rowscale, layerscale) stays with kernels.py
-(config.bwd_smem_partials).
+with s and dy and added in pass 2 (or, DRES_REGS, loaded a row ahead into registers: fp32
+rows with dropout, whose shared memory then has room to move the keep-decisions to 4 columns
+a thread, #92); with dropout dx is ds through x's keep-mask, regenerated from the row's seed
+by the same Philox draws as kernels.py's (its _octet_bits and _keeps, called from here).
+x1's second output (HAS_W1: y1 from weight1 and bias1, in slices) adds dy1, staged with the
+rest, to the row's terms (wdy = w * dy + w1 * dy1) and its partials dW1, dB1 (registers, the
+second weight in shared memory); x1's gradient is then dx (#75). What the kernel does not do
+(x1's dropout, rowscale, layerscale) stays with kernels.py (config.bwd_smem_partials).
 
 Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
 ``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
@@ -119,26 +120,33 @@ if AVAILABLE:
     def _keep(SEEDS, row, col0, dropout_p, PART_N: gl.constexpr, VEC: gl.constexpr,
               NUM_WARPS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """The dropout keep-decisions of one part of x's row ``row`` (columns ``col0`` on), as
-        kernels._keep_mask draws them (its _octet_bits and _keeps), in ``layout``. A thread's
-        VEC contiguous columns are whole octets, so its Philox calls serve its own columns."""
-        gl.static_assert(VEC % 8 == 0, "a thread's columns must be whole octets")
-        octets: gl.constexpr = gl.BlockedLayout([VEC // 8], [32], [NUM_WARPS], [0])
+        kernels._keep_mask draws them (its _octet_bits and _keeps), in ``layout``. Where a
+        thread's VEC contiguous columns are whole octets, its Philox calls serve its own
+        columns; where they are half an octet (VEC 4: fp32 rows, whose 16-byte accesses
+        keep shared memory free of bank conflicts), a thread draws whole octets and the
+        decisions move to ``layout`` through shared memory, one byte each."""
+        gl.static_assert(VEC % 8 == 0 or VEC == 4, "a thread's columns: whole or half octets")
+        octets: gl.constexpr = gl.BlockedLayout([(VEC + 7) // 8], [32], [NUM_WARPS], [0])
         seed = gl.load(SEEDS + row).to(gl.uint32)
         octet = col0 // 8 + gl.arange(0, PART_N // 8, layout=octets)
-        bits = gl.convert_layout(gl.reshape(_octet_bits(seed, octet), [PART_N]), layout)
-        return _keeps(bits, dropout_p)
+        bits = gl.reshape(_octet_bits(seed, octet), [PART_N])
+        if VEC % 8 == 0:
+            return _keeps(gl.convert_layout(bits, layout), dropout_p)
+        return gl.convert_layout(_keeps(bits, dropout_p).to(gl.int8), layout) != 0
 
     @gluon.jit
     def _part_grads(s_buf, dy_buf, r_buf, y1_buf, slot, layout: gl.constexpr, wf, w1f, mean,
                     rstd, c1, c2, DX, DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row,
-                    stride_dres_row, dw_acc, db, dw1, db1, PART_N: gl.constexpr,
+                    stride_dres_row, dw_acc, db, dw1, db1, dres, PART_N: gl.constexpr,
                     VEC: gl.constexpr, NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr,
                     HAS_BIAS: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
                     STORE_DRESIDUAL: gl.constexpr, HAS_DROPOUT: gl.constexpr,
                     DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
-                    HAS_W1: gl.constexpr, HAS_B1: gl.constexpr):  # fmt: skip
+                    HAS_W1: gl.constexpr, HAS_B1: gl.constexpr,
+                    DRES_REGS: gl.constexpr):  # fmt: skip
         """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
-        sum, and dx: ds through dropout) and add its terms to the partials (dW in shared
+        sum, with the row's dresidual_out added from its staged row or, with DRES_REGS, from
+        ``dres``, and dx: ds through dropout) and add its terms to the partials (dW in shared
         memory, private to each thread by the layout, or with DW_REGS in registers; dB, and
         the second output's dW1 and dB1, in registers); returns (dW, dB, dW1, dB1)."""
         xhat, dy, dy1, wdy = _part_terms(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean,
@@ -147,7 +155,9 @@ if AVAILABLE:
             ds = (wdy - xhat * c1) * rstd
         else:
             ds = (wdy - (xhat * c1 + c2)) * rstd
-        if HAS_DRESIDUAL_OUT:
+        if DRES_REGS:  # the row's dresidual_out, loaded a row ahead into registers
+            ds += dres
+        elif HAS_DRESIDUAL_OUT:
             ds += r_buf.index(slot).load(layout).to(gl.float32)
         r = row.to(gl.int64)
         if STORE_DRESIDUAL:
@@ -169,6 +179,14 @@ if AVAILABLE:
             if HAS_B1:
                 db1 += dy1
         return dw_acc, db, dw1, db1
+
+    @gluon.jit
+    def _row_regs(PTR, row, row_end, cols, N, stride_row):
+        """Row ``row`` of a tensor at ``cols`` into registers as fp32 (zeros past N or past the
+        program's last row)."""
+        ok = (cols < N) & (row < row_end)
+        vals = gl.load(PTR + row.to(gl.int64) * stride_row + cols, mask=ok, other=0.0)
+        return vals.to(gl.float32)
 
     @gluon.jit
     def _weight(W, cols, N, ZERO_CENTERED_WEIGHT: gl.constexpr):
@@ -355,6 +373,7 @@ if AVAILABLE:
         HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (DW_REGS)
         HAS_B1: gl.constexpr = False,
         WS_PREFETCH: gl.constexpr = False,  # SPLIT > 1: the block's words asked of L2 first
+        DRES_REGS: gl.constexpr = False,  # dresidual_out a row ahead in registers, not staged
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
         # the same columns, so the partials in shared memory are private to a thread.
@@ -365,6 +384,9 @@ if AVAILABLE:
         # only on each other, and with one program per SM and a grid of at most one per SM
         # (ops), all are resident at once.
         gl.static_assert(not LAG or TAIL_N == 0, "LAG: slices without a tail")
+        gl.static_assert(not DRES_REGS or (HAS_DRESIDUAL_OUT and TAIL_N == 0),
+                         "DRES_REGS: a residual gradient in, rows without a tail")  # fmt: skip
+        STAGE_DRES: gl.constexpr = HAS_DRESIDUAL_OUT and not DRES_REGS
         pid = gl.program_id(0)
         blk = pid // SPLIT
         part = pid % SPLIT
@@ -372,13 +394,13 @@ if AVAILABLE:
         row_start = blk.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f = _part_setup(
-            S, DY, DRES_OUT, DY1, W, W1, col0, BLOCK_N, layout, N, STAGES, HAS_DRESIDUAL_OUT,
+            S, DY, DRES_OUT, DY1, W, W1, col0, BLOCK_N, layout, N, STAGES, STAGE_DRES,
             DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
         )  # fmt: skip
         if TAIL_N > 0:
             tcols, ts_buf, tdy_buf, tr_buf, ty1_buf, tdw_acc, tdb, tdw1, tdb1, twf, tw1f = _part_setup(
                 S, DY, DRES_OUT, DY1, W, W1, col0 + BLOCK_N, TAIL_N, tail_layout, N, STAGES,
-                HAS_DRESIDUAL_OUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
+                STAGE_DRES, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
             )  # fmt: skip
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf, tr_buf, ty1_buf = cols, s_buf, dy_buf, r_buf, y1_buf
@@ -386,11 +408,14 @@ if AVAILABLE:
             _stage_row(S, DY, DRES_OUT, DY1, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
                        tr_buf, ty1_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
                        stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
-                       HAS_DRESIDUAL_OUT, HAS_W1)  # fmt: skip
+                       STAGE_DRES, HAS_W1)  # fmt: skip
         if WS_PREFETCH:
             _prefetch_words(WS, row_start * SPLIT, (row_end - row_start) * SPLIT, part, SPLIT,
                             NUM_WARPS)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
+        dres = db  # placeholder without DRES_REGS
+        if DRES_REGS:
+            dres = _row_regs(DRES_OUT, row_start, row_end, cols, N, stride_dres_out_row)
         rstd = gl.load(RSTD + row_start, mask=row_start < M, other=0.0)
         mean = 0.0
         if not IS_RMS_NORM:
@@ -411,7 +436,7 @@ if AVAILABLE:
             rstd_next, mean_next = _row_ahead(
                 S, DY, DRES_OUT, DY1, MEAN, RSTD, s_buf, dy_buf, r_buf, y1_buf, ts_buf, tdy_buf,
                 tr_buf, ty1_buf, i, row, row_end, last, cols, tcols, N, stride_s_row, stride_dy_row,
-                stride_dres_out_row, stride_dy1_row, STAGES, TAIL_N, HAS_DRESIDUAL_OUT,
+                stride_dres_out_row, stride_dy1_row, STAGES, TAIL_N, STAGE_DRES,
                 IS_RMS_NORM, HAS_W1,
             )  # fmt: skip
             if LAG:
@@ -449,17 +474,20 @@ if AVAILABLE:
             dw_acc, db, dw1, db1 = _part_grads(
                 s_buf, dy_buf, r_buf, y1_buf, slot, layout, wf, w1f, mean, rstd, c1, c2, DX,
                 DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row, stride_dres_row,
-                dw_acc, db, dw1, db1, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS,
+                dw_acc, db, dw1, db1, dres, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS,
                 HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
-                HAS_W1, HAS_B1,
+                HAS_W1, HAS_B1, DRES_REGS,
             )  # fmt: skip
+            if DRES_REGS:  # the next row's, in flight through the next row's pass 1 and wait
+                dres = _row_regs(DRES_OUT, row + 1, row_end, cols, N, stride_dres_out_row)
             if TAIL_N > 0:
                 tdw_acc, tdb, tdw1, tdb1 = _part_grads(
                     ts_buf, tdy_buf, tr_buf, ty1_buf, slot, tail_layout, twf, tw1f, mean, rstd,
                     c1, c2, DX, DRES, SEEDS, row, col0 + BLOCK_N, dropout_p, tcols, N,
-                    stride_dx_row, stride_dres_row, tdw_acc, tdb, tdw1, tdb1, TAIL_N, TAIL_VEC,
-                    NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL,
-                    HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1, HAS_B1,
+                    stride_dx_row, stride_dres_row, tdw_acc, tdb, tdw1, tdb1, tdb, TAIL_N,
+                    TAIL_VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
+                    STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1, HAS_B1,
+                    False,
                 )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next

@@ -50,7 +50,9 @@ def _variant(dtype: str, residual: bool, x1: bool):
     stream, xw = DTYPES[dtype]
     s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
     dres_out = residual or x1
-    staged = s_bytes + x_bytes + (s_bytes if dres_out else 0) + (x_bytes if x1 else 0)
+    # ops._staged_bytes: dresidual_out not staged where it is held in registers
+    staged_dres = dres_out and not config.bwd_smem_dres_regs(x1, x_bytes, residual)
+    staged = s_bytes + x_bytes + (s_bytes if staged_dres else 0) + (x_bytes if x1 else 0)
     store_dres = residual or (x1 and s_bytes != x_bytes)  # dresidual unlike dx: its own buffer
     return s_bytes, x_bytes, staged, dres_out, store_dres, residual
 
@@ -64,7 +66,7 @@ def flags(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False)
     sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes), kind)
     return ops.smem_flags(
         n, s_bytes, False, True, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
-        staged if sliced else 0, TORCH[DTYPES[dtype][1]] if x1 else None, x1,
+        staged if sliced else 0, TORCH[DTYPES[dtype][1]] if x1 else None, x1, x_bytes,
     )  # fmt: skip
 
 

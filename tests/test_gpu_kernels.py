@@ -508,13 +508,18 @@ def test_gpu_smem_sliced_backward_matches_reference(n, dtype, is_rms_norm, zero_
 )
 @example(n=16384, residual="fp32_stream", zero_centered_weight=False, rows=133, dropout_p=0.1)
 @example(n=16384, residual="none", zero_centered_weight=False, rows=300, dropout_p=0.0)
+# fp32 rows with a residual and dropout: dresidual_out in registers, 4-column layouts.
+@example(n=16384, residual="fp32", zero_centered_weight=True, rows=300, dropout_p=0.1)
+@example(n=16384, residual="fp32", zero_centered_weight=False, rows=133, dropout_p=0.0)
 def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, rows, dropout_p):
     """Rows of 4-byte elements in smem_kernels' sliced backward (config.bwd_smem_slices):
     fp32 LayerNorm alone (16K-128K, 8K-column slices), and with dropout, or dropout + add +
     LayerNorm with prenorm of fp32 rows or of bf16 rows with an fp32 residual stream
-    (``fp32_stream``), in two slices (16384); other widths take kernels.py's backward. Every
-    gradient against the fp64 reference; the test fails if the plan is not the one the rule
-    gives."""
+    (``fp32_stream``), in two slices (16384); other widths take kernels.py's backward. fp32
+    rows with a residual and dropout hold dresidual_out in registers (DRES_REGS) and take 4
+    columns a thread (VEC; config.bwd_smem_fp32_vec); the rest 4 without dropout, 8 with.
+    Every gradient against the fp64 reference; the test fails if the plan is not the one the
+    rules give."""
     if residual == "none":
         case = Case(shape=(rows, n), dtype=FP32, zero_centered_weight=zero_centered_weight,
                     dropout_p=dropout_p, seed=n + rows)  # fmt: skip
@@ -528,6 +533,13 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
     _smem_check(case)
     (split,) = _smem_split()
     assert (split > 1) == sliced, split
+    if sliced:
+        from fused_norm import ops
+
+        (flags,) = [plan.kplan[0] for plan in ops._BWD_PLANS.values()]
+        dres_regs = residual == "fp32" and dropout_p > 0.0
+        assert flags["DRES_REGS"] == dres_regs, flags
+        assert flags["VEC"] == (4 if dres_regs or dropout_p == 0.0 else 8), flags
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)

@@ -1156,6 +1156,49 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
         assert held * (fixed + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
 
 
+def test_bwd_smem_fp32_dropout_rows_hold_dresidual_out_in_registers():
+    """Dropout + add + LayerNorm of fp32 rows in slices (config.bwd_smem_dres_regs): the
+    smem backward loads dresidual_out into registers instead of staging it (ops._staged_bytes
+    leaves it out, so the slices' layout is sized for s and dy) and takes 4 columns a thread
+    (config.bwd_smem_fp32_vec), where the decisions' move fits beside what the slice stages;
+    not without dropout, not for bf16 x with an fp32 stream, not for x1's second output, and
+    rows of 16-bit elements keep 8 columns a thread."""
+    from fused_norm import ops
+    from fused_norm.launch import Stand
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    n = 16384
+    row = lambda dt: Stand(dt, (1, n))  # noqa: E731
+    assert ops._staged_bytes(row(f32), row(f32), row(f32), None, True) == 8
+    assert ops._staged_bytes(row(f32), row(f32), row(f32), None, False) == 12
+    assert ops._staged_bytes(row(f32), row(bf16), row(f32), None, True) == 10
+    assert ops._staged_bytes(row(f32), row(f32), row(f32), row(f32), True) == 16
+
+    def flags(dropout, dy_bytes=4, staged=None, weight=f32, x1=None):
+        if staged is None:
+            staged = 4 + dy_bytes + (0 if dropout and dy_bytes == 4 and x1 is None else 4)
+        return ops.smem_flags(n, 4, False, True, False, True, True, dropout, weight, staged, x1,
+                              x1 is not None, dy_bytes)  # fmt: skip
+
+    f = flags(True)
+    assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (True, 4, 8192, 2)
+    assert f["STAGES"] == 2 and not f["LAG"]
+    f = flags(False)
+    assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (False, 4, 8192, 2)
+    f = flags(True, dy_bytes=2, weight=bf16)
+    assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (False, 8, 8192, 2)
+    f = flags(True, staged=16, x1=f32)
+    assert not f["DRES_REGS"]
+    assert not ops.smem_flags(n, 2, False, True, False, True, True, True)["DRES_REGS"]
+    with_dropout = dict(dropout=True, dres_regs=True, width=8192)
+    assert config.bwd_smem_fp32_vec(**with_dropout, fixed_bytes=20) == 4  # 2 stages of s, dy
+    assert config.bwd_smem_fp32_vec(**with_dropout, fixed_bytes=28) == 8  # 3: no room to move
+    assert config.bwd_smem_fp32_vec(True) == 8 and config.bwd_smem_fp32_vec(False) == 4
+    assert not config.bwd_smem_dres_regs(False, 4, False)
+    assert not config.bwd_smem_dres_regs(True, 4, True)
+    assert config.bwd_smem_dres_regs(False, 4, True)
+
+
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
     """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
     smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
@@ -1266,11 +1309,12 @@ def test_smem_kernel_compiles_for_sm90():
         assert dw_regs == (residual or dtype == "bf16" or n == 12288)
         staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
-    # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384, 16-bit rows at 65536, x1's
+    # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384 (fp32 rows' dresidual_out
+    # in registers, not staged: config.bwd_smem_dres_regs), 16-bit rows at 65536, x1's
     # path (s, dy, dresidual_out and dy1 staged beside two weights) at 16384 and 65536, of
     # 4-byte rows at 16384, and at 20480 in two slices of 8192 + a 2048 tail.
     for n, dtype, residual, x1, staged, weight in ((16384, "fp32", False, False, 8, 4),
-                                                   (16384, "fp32", True, False, 12, 4),
+                                                   (16384, "fp32", True, False, 8, 4),
                                                    (16384, "bf16_res32", True, False, 10, 2),
                                                    (65536, "bf16", False, False, 4, 2),
                                                    (65536, "fp32", False, False, 8, 4),
