@@ -1174,21 +1174,20 @@ def test_bwd_smem_fp32_dropout_rows_hold_dresidual_out_in_registers():
     assert ops._staged_bytes(row(f32), row(bf16), row(f32), None, True) == 10
     assert ops._staged_bytes(row(f32), row(f32), row(f32), row(f32), True) == 16
 
-    def flags(dropout, dy_bytes=4, staged=None, weight=f32, x1=None):
-        if staged is None:
-            staged = 4 + dy_bytes + (0 if dropout and dy_bytes == 4 and x1 is None else 4)
+    def flags(dropout, dy=f32, weight=f32, x1=None):
+        """smem_flags of an fp32 stream with dy of ``dy``, staged as the launch stages it."""
+        staged = ops._staged_bytes(row(f32), row(dy), row(f32), x1 and row(x1), dropout)
         return ops.smem_flags(n, 4, False, True, False, True, True, dropout, weight, staged, x1,
-                              x1 is not None, dy_bytes)  # fmt: skip
+                              x1 is not None, dy.itemsize)  # fmt: skip
 
     f = flags(True)
     assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (True, 4, 8192, 2)
     assert f["STAGES"] == 2 and not f["LAG"]
     f = flags(False)
     assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (False, 4, 8192, 2)
-    f = flags(True, dy_bytes=2, weight=bf16)
+    f = flags(True, dy=bf16, weight=bf16)
     assert (f["DRES_REGS"], f["VEC"], f["BLOCK_N"], f["SPLIT"]) == (False, 8, 8192, 2)
-    f = flags(True, staged=16, x1=f32)
-    assert not f["DRES_REGS"]
+    assert not flags(True, x1=f32)["DRES_REGS"]
     assert not ops.smem_flags(n, 2, False, True, False, True, True, True)["DRES_REGS"]
     with_dropout = dict(dropout=True, dres_regs=True, width=8192)
     assert config.bwd_smem_fp32_vec(**with_dropout, fixed_bytes=20) == 4  # 2 stages of s, dy
