@@ -30,6 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from fused_norm import config, ops, smem_kernels  # noqa: E402
+from fused_norm.launch import Stand  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 # Row dtypes: (s and the residual's tensors, x's tensors and the weight).
@@ -50,9 +51,8 @@ def _variant(dtype: str, residual: bool, x1: bool):
     stream, xw = DTYPES[dtype]
     s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
     dres_out = residual or x1
-    # ops._staged_bytes: dresidual_out not staged where it is held in registers
-    staged_dres = dres_out and not config.bwd_smem_dres_regs(x1, x_bytes, residual)
-    staged = s_bytes + x_bytes + (s_bytes if staged_dres else 0) + (x_bytes if x1 else 0)
+    s, x = Stand(TORCH[stream], (1, 1)), Stand(TORCH[xw], (1, 1))  # s, dresidual_out; dy, dy1
+    staged = ops._staged_bytes(s, x, s if dres_out else None, x if x1 else None, residual)
     store_dres = residual or (x1 and s_bytes != x_bytes)  # dresidual unlike dx: its own buffer
     return s_bytes, x_bytes, staged, dres_out, store_dres, residual
 

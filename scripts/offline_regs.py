@@ -54,10 +54,12 @@ config._sm90 = lambda index: True  # an H100 / H200 (sm_90)
 
 
 class OfflineCompile:
-    """Stands in for a launch.Launcher: compiles what would launch and prints its resources."""
+    """Stands in for a launch.Launcher: compiles what it would launch, with its options (its
+    dependent kernels' launch_pdl too), and prints its resources."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, launcher):
+        self.launcher = launcher
+        self.kernel = kernel = launcher.kernel
         self.binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
 
     def warm(self, *args, **kwargs):
@@ -65,13 +67,7 @@ class OfflineCompile:
 
     def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None,
                  on_miss=None, maxnreg=None):  # fmt: skip
-        opts = {"num_warps": num_warps}
-        if num_stages is not None:
-            opts["num_stages"] = num_stages
-        if maxnreg is not None:
-            opts["maxnreg"] = maxnreg
-        if constexprs.get("GDC") and self.kernel is not ops._bwd_row_sums_kernel:
-            opts["launch_pdl"] = True  # (as launch.Launcher's dependent kernels)
+        opts = self.launcher._options(constexprs, num_warps, num_stages, maxnreg)
         bound, spec, options = self.binder(*args, **constexprs, **opts)
         options, signature, cexprs, attrs = self.kernel._pack_args(
             BACKEND, {**constexprs, **opts}, bound, spec, options
@@ -104,11 +100,11 @@ class OfflineCompile:
               f"{shown}")  # fmt: skip
 
 
-ops._FWD = OfflineCompile(ops._fused_norm_fwd_kernel)
-ops._BWD = OfflineCompile(ops._fused_norm_bwd_kernel)
-ops._SUMS = OfflineCompile(ops._bwd_row_sums_kernel)
-ops._ADD = OfflineCompile(ops._row_shares_sum_kernel)
-ops._RED = OfflineCompile(ops._sum_partials_kernel)
+ops._FWD = OfflineCompile(ops._FWD)
+ops._BWD = OfflineCompile(ops._BWD)
+ops._SUMS = OfflineCompile(ops._SUMS)
+ops._ADD = OfflineCompile(ops._ADD)
+ops._RED = OfflineCompile(ops._RED)
 
 
 def run(direction, workload, n, dtype="bf16", res32=False, m=8448):
