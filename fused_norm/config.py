@@ -981,6 +981,22 @@ def bwd_launch_layout(
 # ``FUSED_NORM_BWD_SMEM=0`` turns it off.
 BWD_SMEM_PARTIALS = os.environ.get("FUSED_NORM_BWD_SMEM", "1") != "0"
 BWD_SMEM_RESIDUAL = True
+# One partial (a norm without a bias, alone or with a residual gradient: dW only) as two do,
+# but for 4-byte rows in more than BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B slices and RMSNorm's
+# whole row of one full block (16384 16-bit columns). Bench-style A/B, H200, 2026-11-26
+# (bench/NOTES.md #94), two rounds each, backward kernels.py -> smem_kernels: RMSNorm bf16
+# 12288 228.4 -> 208.8 us, 14336 216.9 -> 211.8, 32K 272.6 -> 232.8, 64K 260.3 -> 233.1, 128K
+# 266.8 -> 239.6, 256K 264.2 -> 258.8; fp16 12288 230.2 -> 208.3, 32K 270.3 -> 235.5, 64K
+# 257.9 -> 233.0; fp32 16384 465.5 -> 426.6, 32K 486.1 -> 423.2, 64K 476.8 -> 445.1; add +
+# RMSNorm bf16 12288 287.5 -> 275.6 (14336 even), bf16 x with an fp32 stream 16384 589.6 ->
+# 554.5 and 586.9 -> 554.4 (fp32 even); LayerNorm without a bias bf16 12288 334.8 -> 231.8,
+# 14336 322.7 -> 210.4, 32K 291.2 -> 243.3, 64K 292.8 -> 253.9, 256K 294.8 -> 271.8, fp32
+# 16384 562.2 -> 434.3, 64K 489.6 -> 456.5, add + LayerNorm bf16 12288 539.6 -> 274.2, bf16 x
+# with an fp32 stream 16384 703.5 -> 559.6, fp32 605.8 -> 546.4. Not taken, slower: RMSNorm's
+# whole rows of 16384 (bf16 212.2 -> 213.5 and 212.9 -> 215.8, fp16 212.4 -> 214.2, add +
+# RMSNorm 274.6 -> 278.8), fp32 RMSNorm 128K in 16 slices (463.3 -> 475.9).
+BWD_SMEM_ONE_PARTIAL = True
+BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B = 8
 BWD_SMEM_RESIDUAL_MAX_COLS = 16384
 BWD_SMEM_MIN_COLS = 10241
 BWD_SMEM_MAX_COLS = 16384
@@ -1138,7 +1154,7 @@ def slice_parts(width: int) -> tuple[int, int]:
 
 def bwd_smem_partials(
     n_cols: int, elem_bytes: int, partials: int, kind: str | None, device: torch.device,
-    w4: bool, aligned: bool, staged_bytes: int,
+    w4: bool, aligned: bool, staged_bytes: int, rms_norm: bool = False,
 ) -> bool:  # fmt: skip
     """Whether the backward runs smem_kernels' kernel. ``kind`` is what the kernel must do
     beyond a norm: "plain" (a norm of x alone), "residual" (a residual gradient in and/or out,
@@ -1146,9 +1162,11 @@ def bwd_smem_partials(
     with x1's gradient the same tensor as x's, and a residual as "residual" has it: taken
     where BWD_SMEM_X1) or None (anything the kernel does not do: x1's gradient of its own,
     rowscale, layerscale). Further: two partials (the weight's and the bias's; with "x1" four,
-    the second weight's and bias's too), bwd_smem_width's widths, the rows' tensors 16-byte
-    aligned with row strides of multiples of 16 elements (``aligned``: its copies move 16
-    bytes), on an NVIDIA GPU of compute capability 9 or more whose blocks may take Hopper's
+    the second weight's and bias's too), or one ("plain" or "residual": a norm without a bias,
+    where BWD_SMEM_ONE_PARTIAL, but for 4-byte rows in more than
+    BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B slices and, with ``rms_norm``, a whole row of
+    BWD_SMEM_MAX_COLS), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of multiples of 16 elements (``aligned``: its
+    copies move 16 bytes), on an NVIDIA GPU of compute capability 9 or more whose blocks may take Hopper's
     shared memory; and either whole rows of 16-bit elements (``elem_bytes``, the widest row
     tensor's) and parameters (not ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or
     rows in slices (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes``
@@ -1156,7 +1174,10 @@ def bwd_smem_partials(
     ``w4``'s bytes): of x alone, or with a residual of 4-byte elements in at most
     BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters; x1's path always in
     slices. The kernel is Gluon's: never under the interpreter."""
-    if not BWD_SMEM_PARTIALS or (partials, kind) not in ((2, "plain"), (2, "residual"), (4, "x1")):
+    kinds = ((2, "plain"), (2, "residual"), (4, "x1"))
+    if BWD_SMEM_ONE_PARTIAL:
+        kinds += ((1, "plain"), (1, "residual"))
+    if not BWD_SMEM_PARTIALS or (partials, kind) not in kinds:
         return False
     if (kind == "residual" and not BWD_SMEM_RESIDUAL) or (kind == "x1" and not BWD_SMEM_X1):
         return False
@@ -1170,7 +1191,11 @@ def bwd_smem_partials(
             return False
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False
+        if partials == 1 and elem_bytes == 4 and slices[1] > BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B:
+            return False
     elif elem_bytes != 2 or w4 or (kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS):
+        return False
+    elif partials == 1 and rms_norm and n_cols == BWD_SMEM_MAX_COLS:  # kernels.py's is faster
         return False
     from . import smem_kernels
 

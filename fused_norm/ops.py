@@ -974,7 +974,9 @@ def _bwd_make_plan(
     if not own_dx1 and rowscale is None and layerscale is None:
         kind = "x1" if dy1 is not None else "plain" if plain else "residual"
     staged = _staged_bytes(s, dy, dresidual_out, dy1, dropout)
-    smem = config.bwd_smem_partials(n, elem_bytes, partials, kind, dev, w4, aligned, staged)
+    smem = config.bwd_smem_partials(
+        n, elem_bytes, partials, kind, dev, w4, aligned, staged, bool(is_rms_norm)
+    )
     if smem:  # one program per SM (its shared memory), the row held whole or in slices
         warps = config.BWD_SMEM_WARPS
         if config.bwd_smem_sliced(n, elem_bytes, kind):  # slices exchanging their row sums

@@ -3,7 +3,8 @@
 with a bias, and print its layout (block, tail, stages, slices), registers, spills and shared
 memory per width, for a norm of x alone, for dropout + add + LayerNorm with prenorm (a
 residual gradient in and out, x's dropout) and for x1's path (x + x1 + residual, prenorm, a
-second output with weight1 and bias1, no dropout):
+second output with weight1 and bias1, no dropout); and (lines starting ``rms``) RMSNorm
+without a bias (one partial), alone and in dropout + add + RMSNorm:
 
     python scripts/compile_smem.py 12288 16384 65536
 
@@ -57,20 +58,24 @@ def _variant(dtype: str, residual: bool, x1: bool):
     return s_bytes, x_bytes, staged, dres_out, store_dres, residual
 
 
-def flags(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False) -> dict:
+def flags(
+    n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False, rms: bool = False
+) -> dict:
     """The constexprs the launcher passes for rows of ``n`` columns of ``dtype`` (DTYPES), for a
     norm of x alone, (``residual``) dropout + add + LayerNorm with prenorm or (``x1``) x1's
-    path (_variant)."""
+    path (_variant); with ``rms`` RMSNorm without a bias (one partial) in place of LayerNorm."""
     s_bytes, x_bytes, staged, dres_out, store_dres, dropout = _variant(dtype, residual, x1)
     kind = "x1" if x1 else None
     sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes), kind)
     return ops.smem_flags(
-        n, s_bytes, False, True, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
+        n, s_bytes, rms, not rms, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
         staged if sliced else 0, TORCH[DTYPES[dtype][1]] if x1 else None, x1, x_bytes,
     )  # fmt: skip
 
 
-def takes(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False) -> bool:
+def takes(
+    n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False, rms: bool = False
+) -> bool:
     """Whether the launcher takes smem_kernels' backward for such rows (config.bwd_smem_partials)
     on a Hopper GPU that fits it."""
     s_bytes, x_bytes, staged, _, _, _ = _variant(dtype, residual, x1)
@@ -78,26 +83,30 @@ def takes(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False)
     config._smem_ok = lambda index: True
     kind = "x1" if x1 else "residual" if residual else "plain"
     return config.bwd_smem_partials(
-        n, max(s_bytes, x_bytes), 4 if x1 else 2, kind, torch.device("cuda"), x_bytes == 4, True,
-        staged,
+        n, max(s_bytes, x_bytes), 4 if x1 else 1 if rms else 2, kind, torch.device("cuda"),
+        x_bytes == 4, True, staged, rms,
     )  # fmt: skip
 
 
-def compile_width(n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False):
+def compile_width(
+    n: int, dtype: str = "bf16", residual: bool = False, x1: bool = False, rms: bool = False
+):
     """(registers, stack bytes, shared bytes, PTX) of the kernel the launcher picks at ``n``
     for rows and weights of ``dtype`` (DTYPES; where partial dW is kept depends on it,
     config.bwd_smem_dw_regs), for a norm of x alone, (``residual``) dropout + add +
-    LayerNorm with prenorm or (``x1``) x1's path (_variant)."""
+    LayerNorm with prenorm or (``x1``) x1's path (_variant); ``rms``: RMSNorm without a bias
+    (no mean)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     stream, xw = DTYPES[dtype]
-    constexprs = flags(n, dtype, residual, x1)
+    constexprs = flags(n, dtype, residual, x1, rms)
     warps = constexprs["NUM_WARPS"]
     names = ("S W W1 MEAN RSTD DY DY1 DRES_OUT SEEDS DX DRES PARTS WS WS_NEXT stride_s_row "
              "stride_dy_row stride_dy1_row stride_dres_out_row stride_dx_row stride_dres_row "
              "stride_part M N rows_per_program dropout_p").split()  # fmt: skip
     absent = "constexpr"  # absent tensors are None (constexprs)
     present = {
+        "MEAN": not rms,
         "W1": constexprs["HAS_W1"],
         "DY1": constexprs["HAS_W1"],
         "DRES_OUT": constexprs["HAS_DRESIDUAL_OUT"],
@@ -142,16 +151,20 @@ if __name__ == "__main__":
         sys.exit("this Triton has no Gluon")
     for arg in sys.argv[1:] or ["12288", "16384"]:
         n = int(arg)
-        for dtype, residual, x1 in (("bf16", False, False), ("bf16", True, False),
-                                    ("fp16", False, False), ("fp32", False, False),
-                                    ("fp32", True, False), ("bf16_res32", True, False),
-                                    ("bf16", False, True), ("fp16", False, True),
-                                    ("fp32", False, True), ("bf16_res32", False, True)):  # fmt: skip
-            if not takes(n, dtype, residual, x1):
+        for dtype, residual, x1, rms in (
+            ("bf16", False, False, False), ("bf16", True, False, False),
+            ("fp16", False, False, False), ("fp32", False, False, False),
+            ("fp32", True, False, False), ("bf16_res32", True, False, False),
+            ("bf16", False, True, False), ("fp16", False, True, False),
+            ("fp32", False, True, False), ("bf16_res32", False, True, False),
+            ("bf16", False, False, True), ("bf16", True, False, True),
+            ("fp32", False, False, True), ("bf16_res32", True, False, True),
+        ):  # fmt: skip
+            if not takes(n, dtype, residual, x1, rms):
                 continue
-            f = flags(n, dtype, residual, x1)
-            regs, stack, shared, _ptx = compile_width(n, dtype, residual, x1)
+            f = flags(n, dtype, residual, x1, rms)
+            regs, stack, shared, _ptx = compile_width(n, dtype, residual, x1, rms)
             layout = (f["BLOCK_N"], f["TAIL_N"], f["STAGES"], f["SPLIT"])
-            print(f"dtype={dtype} n={arg} residual={residual} x1={x1} "
+            print(f"{'rms ' if rms else ''}dtype={dtype} n={arg} residual={residual} x1={x1} "
                   f"block,tail,stages,split={layout} dw_regs={f['DW_REGS']} regs={regs} "
                   f"stack={stack} shared={shared}")  # fmt: skip

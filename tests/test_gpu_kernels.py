@@ -610,6 +610,60 @@ def test_gpu_smem_sliced_backward_x1_4byte_rows(n, stream, zero_centered_weight,
     assert _smem_split() == [split]
 
 
+# A norm without a bias (one partial) in smem_kernels' backward (config.BWD_SMEM_ONE_PARTIAL):
+# (columns, x's dtype, residual: None, "same" (x's dtype) or "fp32" (an fp32 stream), the
+# slices the rule gives RMSNorm: 0 for kernels.py's backward, 1 for a whole row; LayerNorm
+# takes a whole row of 16384 16-bit columns too).
+SMEM_ONE_PARTIAL = [
+    (12288, BF16, None, 1), (14336, FP16, None, 1), (16384, BF16, None, 0),
+    (32768, FP16, None, 2), (131072, BF16, None, 8), (12288, BF16, "same", 1),
+    (16384, FP16, "same", 0), (32768, BF16, "same", 0), (16384, FP32, None, 2),
+    (65536, FP32, None, 8), (131072, FP32, None, 0), (16384, FP32, "fp32", 2),
+    (16384, BF16, "fp32", 2), (12288, BF16, "fp32", 0), (32768, FP32, "fp32", 0),
+]  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    layout=st.sampled_from(SMEM_ONE_PARTIAL),
+    is_rms_norm=st.booleans(),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 300]),
+    dropout_p=st.sampled_from([0.0, 0.1]),
+)
+# Bf16 x with an fp32 stream at 16384 (the benchmark's add + RMSNorm row), fp32 rows in 8
+# slices (LAG), a padded whole row with dropout, LayerNorm's whole 16384.
+@example(layout=(16384, BF16, "fp32", 2), is_rms_norm=True, zero_centered_weight=False,
+         rows=300, dropout_p=0.0)  # fmt: skip
+@example(layout=(65536, FP32, None, 8), is_rms_norm=True, zero_centered_weight=True, rows=133,
+         dropout_p=0.0)  # fmt: skip
+@example(layout=(14336, BF16, "same", 1), is_rms_norm=False, zero_centered_weight=False,
+         rows=133, dropout_p=0.1)  # fmt: skip
+@example(layout=(16384, BF16, None, 0), is_rms_norm=False, zero_centered_weight=False,
+         rows=133, dropout_p=0.0)  # fmt: skip
+def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight, rows,
+                                       dropout_p):  # fmt: skip
+    """A norm without a bias (partial dW only), alone or with a residual (add + norm with
+    prenorm, x's dropout where there is a residual), in smem_kernels' backward where
+    config.bwd_smem_partials takes one partial: whole 16-bit rows (but RMSNorm's full 16384),
+    16-bit rows of x alone in 16K-column slices, 4-byte rows in at most 8 slices (with a
+    residual: 2). Every gradient against the fp64 reference; the test fails if the plan is
+    not the one the rule gives."""
+    n, dtype, residual, split = layout
+    if not is_rms_norm and n == 16384 and dtype != FP32 and residual != "fp32":
+        split = 1  # LayerNorm's whole row
+    if residual is None:
+        case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm, has_bias=False,
+                    zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    else:
+        case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm, has_bias=False,
+                    residual_dtype=FP32 if residual == "fp32" else dtype,
+                    residual_in_fp32=residual == "fp32", prenorm=True, dropout_p=dropout_p,
+                    zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
+    _smem_check(case)
+    assert _smem_split() == [split]
+
+
 SMEM_LACKS = {
     "rowscale": Case(shape=(37, 12288), dtype=BF16, rowscale=True, seed=3),
     "rowscale_dropout": Case(shape=(37, 16384), dtype=BF16, residual_dtype=BF16, rowscale=True,

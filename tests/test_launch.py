@@ -1022,7 +1022,8 @@ def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
 
 def test_bwd_smem_rule_and_layout(monkeypatch):
     """config.bwd_smem_partials: only LayerNorm-type rows (a norm of x alone, or with a residual
-    gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials, 16-bit rows
+    gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials (or one,
+    RMSNorm without a bias, where BWD_SMEM_ONE_PARTIAL), 16-bit rows
     and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
     the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
     and another as 8192 + a power-of-two tail, staged as deep as shared memory allows beside
@@ -1039,12 +1040,32 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_partials(**ok)
     assert config.bwd_smem_partials(**{**ok, "kind": "residual"})
     for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
-                   dict(elem_bytes=4, staged_bytes=8), dict(partials=1), dict(partials=4), dict(kind=None),
+                   dict(elem_bytes=4, staged_bytes=8), dict(partials=4), dict(kind=None),
                    dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu")),
                    dict(kind="residual", n_cols=16400)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**ok, **change}), change
     assert config.bwd_smem_partials(**{**ok, "n_cols": 16384})
     assert config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 16384})
+    # One partial (a norm without a bias): as two, but not 4-byte rows in more than 8 slices,
+    # nor RMSNorm's whole block of 16384 columns.
+    one = dict(ok, partials=1)
+    for change in ({}, dict(kind="residual"), dict(n_cols=14336), dict(n_cols=32768),
+                   dict(n_cols=262144), dict(n_cols=16384), dict(n_cols=16384, kind="residual"),
+                   dict(n_cols=12288, rms_norm=True), dict(n_cols=32768, rms_norm=True),
+                   dict(n_cols=65536, elem_bytes=4, w4=True, staged_bytes=8),
+                   dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=10,
+                        rms_norm=True)):  # fmt: skip
+        assert config.bwd_smem_partials(**{**one, **change}), change
+    for change in (dict(n_cols=16384, rms_norm=True),
+                   dict(n_cols=16384, kind="residual", rms_norm=True),
+                   dict(n_cols=32768, kind="residual"),
+                   dict(n_cols=131072, elem_bytes=4, w4=True, staged_bytes=8),
+                   dict(n_cols=32768, elem_bytes=4, kind="residual", staged_bytes=12)):  # fmt: skip
+        assert not config.bwd_smem_partials(**{**one, **change}), change
+    with monkeypatch.context() as mp:
+        mp.setattr(config, "BWD_SMEM_ONE_PARTIAL", False)
+        assert not config.bwd_smem_partials(**one)
+        assert config.bwd_smem_partials(**ok)
     with monkeypatch.context() as mp:
         mp.setattr(config, "BWD_SMEM_RESIDUAL_MAX_COLS", 12288)
         assert not config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 12304})
@@ -1201,9 +1222,10 @@ def test_bwd_smem_fp32_dropout_rows_hold_dresidual_out_in_registers():
 def test_bwd_smem_plan_covers_only_what_the_kernel_does(monkeypatch):
     """What fused_norm_bwd launches at 12288 and 16384 columns on a (stand-in) Hopper GPU:
     smem_kernels' kernel for LayerNorm with a bias alone, with a residual (prenorm or not) and
-    x's dropout, and (at 16384, in slices) x1's second output with a second bias;
-    kernels.py's for what the Gluon kernel does not do (rowscale, layerscale, x1's dropout, x1's
-    second output without biases, no bias). Before this rule, rowscale and layerscale took the
+    x's dropout, and (at 16384, in slices) x1's second output with a second bias, and for a
+    norm without a bias (but RMSNorm's whole 16384 columns); kernels.py's for what the Gluon
+    kernel does not do (rowscale, layerscale, x1's dropout, x1's second output without
+    biases). Before this rule, rowscale and layerscale took the
     Gluon kernel, which ignored them."""
     from fused_norm import smem_kernels
 
@@ -1258,7 +1280,8 @@ def _smem_plan_cases(n, launched):
         "x1_w1": (False, dict(weight1=w, bias=None, dy1=dy, x1_dtype=bf16)),
         "x1_w1_b1": (n == 16384, dict(x1, residual_dtype=bf16)),
         "x1_w1_b1_prenorm": (n == 16384, dict(x1, residual_dtype=bf16, dresidual_out=dres_out)),
-        "no_bias": (False, dict(bias=None)),
+        "no_bias": (True, dict(bias=None)),
+        "rms_no_bias": (n != 16384, dict(bias=None, is_rms_norm=True)),
     }
     for name, (gluon, extra) in cases.items():
         config.settings_changed()
@@ -1276,8 +1299,9 @@ def test_smem_kernel_compiles_for_sm90():
     it, so this is what CI can check of the kernel), for LayerNorm with a bias alone (dW in
     registers; fp16 at 16384: in shared memory) and for dropout + add + LayerNorm with prenorm at
     both layouts (a whole 16384 row; 8192 + a 4096 tail), and for rows in slices (4-byte rows
-    at 16384, 16-bit and fp32 rows at 65536, x1's path at 16384 and 65536), within the shared
-    memory a Hopper block may take."""
+    at 16384, 16-bit and fp32 rows at 65536, x1's path at 16384 and 65536), and for RMSNorm
+    without a bias where the rule takes it, within the shared memory a Hopper block may
+    take."""
     import os
     import re
     import subprocess
@@ -1299,7 +1323,7 @@ def test_smem_kernel_compiles_for_sm90():
             continue
         w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         block, tail, stages = config.bwd_smem_layout(n, residual, w)
-        line = re.search(rf"dtype={dtype} n={n} residual={residual} x1=False .*",
+        line = re.search(rf"(?m)^dtype={dtype} n={n} residual={residual} x1=False .*",
                          out.stdout).group(0)  # fmt: skip
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         held = block // 2 + tail if tail else block
@@ -1325,11 +1349,25 @@ def test_smem_kernel_compiles_for_sm90():
                                                    (20480, "bf16", False, True, 8, 4)):  # fmt: skip
         width, split, stages, _ = config.bwd_smem_slices(n, staged, weight, x1)
         block, tail = config.slice_parts(width)
-        line = re.search(rf"dtype={dtype} n={n} residual={residual} x1={x1} .*",
+        line = re.search(rf"(?m)^dtype={dtype} n={n} residual={residual} x1={x1} .*",
                          out.stdout).group(0)  # fmt: skip
         assert f"block,tail,stages,split={(block, tail, stages, split)}" in line, line
         shared = int(re.search(r"shared=(\d+)", line).group(1))
         assert width * (weight + stages * staged) <= shared <= 227 * 1024, line
+    # RMSNorm without a bias (one partial, config.BWD_SMEM_ONE_PARTIAL): 8192 + a tail at
+    # 12288 (alone, and with a residual and dropout), slices at 65536 (16-bit, fp32) and 16384
+    # (fp32; bf16 x with an fp32 stream with a residual); not a whole 16384 of 16-bit rows.
+    for n, dtype, residual, layout in ((12288, "bf16", False, (8192, 4096, 2, 1)),
+                                       (12288, "bf16", True, (8192, 4096, 2, 1)),
+                                       (65536, "bf16", False, (16384, 0, 3, 4)),
+                                       (65536, "fp32", False, (8192, 0, 3, 8)),
+                                       (16384, "fp32", False, (8192, 0, 2, 2)),
+                                       (16384, "bf16_res32", True, (8192, 0, 2, 2))):  # fmt: skip
+        line = re.search(rf"(?m)^rms dtype={dtype} n={n} residual={residual} x1=False .*",
+                         out.stdout).group(0)  # fmt: skip
+        assert f"block,tail,stages,split={layout}" in line and "stack=0" in line, line
+        assert int(re.search(r"shared=(\d+)", line).group(1)) <= 227 * 1024, line
+    assert not re.search(r"(?m)^rms dtype=bf16 n=16384 ", out.stdout), out.stdout
 
 
 def test_only_dependent_kernels_launch_as_programmatic_dependents(monkeypatch):
