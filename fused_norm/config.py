@@ -992,7 +992,9 @@ BWD_SMEM_RESIDUAL = True
 # 554.5 and 586.9 -> 554.4 (fp32 even); LayerNorm without a bias bf16 12288 334.8 -> 231.8,
 # 14336 322.7 -> 210.4, 32K 291.2 -> 243.3, 64K 292.8 -> 253.9, 256K 294.8 -> 271.8, fp32
 # 16384 562.2 -> 434.3, 64K 489.6 -> 456.5, add + LayerNorm bf16 12288 539.6 -> 274.2, bf16 x
-# with an fp32 stream 16384 703.5 -> 559.6, fp32 605.8 -> 546.4. Not taken, slower: RMSNorm's
+# with an fp32 stream 16384 703.5 -> 559.6, fp32 605.8 -> 546.4; LayerNorm's whole rows of
+# 16384 without a bias, bf16 311.1 -> 214.2, fp16 313.5 -> 213.9, add + LayerNorm 470.5 ->
+# 277.2 (14336 497.4 -> 272.9). Not taken, slower: RMSNorm's
 # whole rows of 16384 (bf16 212.2 -> 213.5 and 212.9 -> 215.8, fp16 212.4 -> 214.2, add +
 # RMSNorm 274.6 -> 278.8), fp32 RMSNorm 128K in 16 slices (463.3 -> 475.9).
 BWD_SMEM_ONE_PARTIAL = True
@@ -1165,10 +1167,11 @@ def bwd_smem_partials(
     the second weight's and bias's too), or one ("plain" or "residual": a norm without a bias,
     where BWD_SMEM_ONE_PARTIAL, but for 4-byte rows in more than
     BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B slices and, with ``rms_norm``, a whole row of
-    BWD_SMEM_MAX_COLS), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row strides of multiples of 16 elements (``aligned``: its
-    copies move 16 bytes), on an NVIDIA GPU of compute capability 9 or more whose blocks may take Hopper's
-    shared memory; and either whole rows of 16-bit elements (``elem_bytes``, the widest row
-    tensor's) and parameters (not ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or
+    BWD_SMEM_MAX_COLS), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row
+    strides of multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA
+    GPU of compute capability 9 or more whose blocks may take Hopper's shared memory; and
+    either whole rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and
+    parameters (not ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or
     rows in slices (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes``
     per column, the staged rows' s, dy and any dresidual_out and dy1, beside weights of
     ``w4``'s bytes): of x alone, or with a residual of 4-byte elements in at most

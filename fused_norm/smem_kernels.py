@@ -16,8 +16,8 @@ in registers as fp32, or (DW_REGS, config.bwd_smem_dw_regs: where three rows are
 for all but fp16 weights of one-block rows) dW in registers with the weight in shared memory as
 stored (#72). Partials are written as the
 Triton kernel writes them (one (programs, N) fp32 slab per gradient), for the same sum kernel.
-RMSNorm without a bias (HAS_BIAS off: partial dW only) runs here too where
-config.bwd_smem_partials takes one partial (#94).
+A norm without a bias (RMSNorm, or LayerNorm, with HAS_BIAS off: partial dW only) runs here
+too where config.bwd_smem_partials takes one partial (#94).
 
 Rows that do not fit one program (16-bit rows wider than 16384 columns, rows of 4-byte elements;
 config.bwd_smem_slices) are cut into SPLIT slices, one program each, the SPLIT consecutive
