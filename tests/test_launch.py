@@ -1022,8 +1022,8 @@ def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
 
 def test_bwd_smem_rule_and_layout(monkeypatch):
     """config.bwd_smem_partials: only LayerNorm-type rows (a norm of x alone, or with a residual
-    gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials (or one,
-    RMSNorm without a bias, where BWD_SMEM_ONE_PARTIAL), 16-bit rows
+    gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials (or one, a
+    norm without a bias, where BWD_SMEM_ONE_PARTIAL), 16-bit rows
     and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
     the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
     and another as 8192 + a power-of-two tail, staged as deep as shared memory allows beside
