@@ -998,6 +998,15 @@ BWD_SMEM_RESIDUAL = True
 # whole rows of 16384 (bf16 212.2 -> 213.5 and 212.9 -> 215.8, fp16 212.4 -> 214.2, add +
 # RMSNorm 274.6 -> 278.8), fp32 RMSNorm 128K in 16 slices (463.3 -> 475.9).
 BWD_SMEM_ONE_PARTIAL = True
+# 16-bit rows beside 4-byte weights (bf16 or fp16 activations with fp32 parameters, as autocast
+# training has them) take the kernel too, whole or in slices, wherever 16-bit weights would
+# (bwd_smem_layout and bwd_smem_slices size the weight as stored). Bench-style A/B, H200,
+# 2026-11-26 (bench/NOTES.md #97), bf16 x with fp32 weights, backward, kernels.py -> this
+# kernel: LayerNorm 12288 / 16384 / 32768 306.2 / 306.8 / 296.8 -> 234.2 / 237.7 / 257.2 us,
+# without a bias 16384 402.3 -> 235.9, RMSNorm 12288 / 32768 232.4 / 269.5 -> 224.1 / 240.2,
+# dropout + add + LayerNorm 12288 / 16384 501.9 / 512.4 -> 404.1 / 448.7, the x1 path 16384
+# 586.6 -> 449.6. ``BWD_SMEM_W4_16BIT = False`` keeps those rows on kernels.py's backward.
+BWD_SMEM_W4_16BIT = True
 BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B = 8
 BWD_SMEM_RESIDUAL_MAX_COLS = 16384
 BWD_SMEM_MIN_COLS = 10241
@@ -1170,13 +1179,13 @@ def bwd_smem_partials(
     BWD_SMEM_MAX_COLS), bwd_smem_width's widths, the rows' tensors 16-byte aligned with row
     strides of multiples of 16 elements (``aligned``: its copies move 16 bytes), on an NVIDIA
     GPU of compute capability 9 or more whose blocks may take Hopper's shared memory; and
-    either whole rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and
-    parameters (not ``w4``), with a residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or
-    rows in slices (bwd_smem_sliced; where bwd_smem_slices has a layout for ``staged_bytes``
-    per column, the staged rows' s, dy and any dresidual_out and dy1, beside weights of
-    ``w4``'s bytes): of x alone, or with a residual of 4-byte elements in at most
-    BWD_SMEM_RESIDUAL_MAX_SPLIT slices; 16-bit rows with 16-bit parameters; x1's path always in
-    slices. The kernel is Gluon's: never under the interpreter."""
+    either whole rows of 16-bit elements (``elem_bytes``, the widest row tensor's), with a
+    residual up to BWD_SMEM_RESIDUAL_MAX_COLS, or rows in slices (bwd_smem_sliced; where
+    bwd_smem_slices has a layout for ``staged_bytes`` per column, the staged rows' s, dy and
+    any dresidual_out and dy1, beside weights of ``w4``'s bytes): of x alone, or with a
+    residual of 4-byte elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; x1's path
+    always in slices. 16-bit rows beside 4-byte parameters (``w4``) only where
+    BWD_SMEM_W4_16BIT. The kernel is Gluon's: never under the interpreter."""
     kinds = ((2, "plain"), (2, "residual"), (4, "x1"))
     if BWD_SMEM_ONE_PARTIAL:
         kinds += ((1, "plain"), (1, "residual"))
@@ -1190,13 +1199,17 @@ def bwd_smem_partials(
     if bwd_smem_sliced(n_cols, elem_bytes, kind):
         x1 = kind == "x1"
         slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + x1), x1)
-        if not BWD_SMEM_SPLIT or slices is None or (w4 and elem_bytes == 2):
+        if not BWD_SMEM_SPLIT or slices is None:
+            return False
+        if w4 and elem_bytes == 2 and not BWD_SMEM_W4_16BIT:
             return False
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False
         if partials == 1 and elem_bytes == 4 and slices[1] > BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B:
             return False
-    elif elem_bytes != 2 or w4 or (kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS):
+    elif elem_bytes != 2 or (w4 and not BWD_SMEM_W4_16BIT):
+        return False
+    elif kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS:
         return False
     elif partials == 1 and rms_norm and n_cols == BWD_SMEM_MAX_COLS:  # kernels.py's is faster
         return False
@@ -1239,15 +1252,17 @@ def bwd_smem_layout(
     another is held as 8192 columns and a power-of-two tail, ``block_n`` then being the padded
     16384 (kernels.py's convention: ``block_n // 2`` then ``tail``); rows of s and dy (and with
     ``dres_out`` of dresidual_out) staged ``stages`` deep, as many as fit beside the fp32
-    partial dW (or, where bwd_smem_dw_regs keeps dW in registers, beside the 16-bit weight) up
-    to BWD_SMEM_MAX_STAGES (2: 3 stages at 12288 columns measured 0.1-0.5 points behind 2,
-    bench/NOTES.md #70)."""
+    partial dW (or, where bwd_smem_dw_regs keeps dW in registers, beside the weight as stored,
+    ``weight_dtype``) up to BWD_SMEM_MAX_STAGES (2: 3 stages at 12288 columns measured 0.1-0.5
+    points behind 2, bench/NOTES.md #70); one beside an fp32 weight where dresidual_out is
+    staged at 16384 columns."""
     block_n, tail = next_power_of_2(n_cols), 0
     if block_n > 8192 and block_n != n_cols and next_power_of_2(n_cols - 8192) < 8192:
         tail = next_power_of_2(n_cols - 8192)
     held = block_n // 2 + tail if tail else block_n
     staged = 2 * held * (3 if dres_out else 2)
-    fixed = 2 * held if bwd_smem_dw_regs(dres_out, weight_dtype, tail) else 4 * held  # w / dW
+    # the weight as stored, or the fp32 partial dW
+    fixed = (weight_dtype.itemsize if bwd_smem_dw_regs(dres_out, weight_dtype, tail) else 4) * held
     return block_n, tail, min(BWD_SMEM_MAX_STAGES, (BWD_SMEM_BYTES - fixed) // staged)
 
 

@@ -8,8 +8,9 @@ without a bias (one partial), alone and in dropout + add + RMSNorm:
 
     python scripts/compile_smem.py 12288 16384 65536
 
-Rows of bf16, fp16 (a norm of x alone), fp32 and bf16 with an fp32 residual stream
-(``bf16_res32``), each where the launcher takes the kernel (config.bwd_smem_partials on a
+Rows of bf16, fp16 (a norm of x alone), fp32, bf16 with an fp32 residual stream
+(``bf16_res32``) and bf16 with fp32 weights (``bf16_w32``), each where the launcher takes the
+kernel (config.bwd_smem_partials on a
 Hopper GPU): whole rows of 16-bit elements to 16384 columns, and rows in slices beyond that or
 of 4-byte elements (config.bwd_smem_slices).
 
@@ -34,12 +35,13 @@ from fused_norm import config, ops, smem_kernels  # noqa: E402
 from fused_norm.launch import Stand  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-# Row dtypes: (s and the residual's tensors, x's tensors and the weight).
+# Row dtypes: (s and the residual's tensors, x's tensors, the weights).
 DTYPES = {
-    "bf16": ("bf16", "bf16"),
-    "fp16": ("fp16", "fp16"),
-    "fp32": ("fp32", "fp32"),
-    "bf16_res32": ("fp32", "bf16"),  # bf16 x and weight, an fp32 residual stream
+    "bf16": ("bf16", "bf16", "bf16"),
+    "fp16": ("fp16", "fp16", "fp16"),
+    "fp32": ("fp32", "fp32", "fp32"),
+    "bf16_res32": ("fp32", "bf16", "bf16"),  # bf16 x and weight, an fp32 residual stream
+    "bf16_w32": ("bf16", "bf16", "fp32"),  # bf16 rows, fp32 weights (autocast's parameters)
 }
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,7 +51,7 @@ def _variant(dtype: str, residual: bool, x1: bool):
     ``dtype``: a norm of x alone, (``residual``) dropout + add + LayerNorm with prenorm, or
     (``x1``) x1's path with prenorm, its residual of x's dtype and no dropout (dx, dx1 and
     dresidual one tensor)."""
-    stream, xw = DTYPES[dtype]
+    stream, xw, _ = DTYPES[dtype]
     s_bytes, x_bytes = TORCH[stream].itemsize, TORCH[xw].itemsize
     dres_out = residual or x1
     s, x = Stand(TORCH[stream], (1, 1)), Stand(TORCH[xw], (1, 1))  # s, dresidual_out; dy, dy1
@@ -67,9 +69,10 @@ def flags(
     s_bytes, x_bytes, staged, dres_out, store_dres, dropout = _variant(dtype, residual, x1)
     kind = "x1" if x1 else None
     sliced = config.bwd_smem_sliced(n, max(s_bytes, x_bytes), kind)
+    w = TORCH[DTYPES[dtype][2]]
     return ops.smem_flags(
-        n, s_bytes, rms, not rms, False, dres_out, store_dres, dropout, TORCH[DTYPES[dtype][1]],
-        staged if sliced else 0, TORCH[DTYPES[dtype][1]] if x1 else None, x1, x_bytes,
+        n, s_bytes, rms, not rms, False, dres_out, store_dres, dropout, w,
+        staged if sliced else 0, w if x1 else None, x1, x_bytes,
     )  # fmt: skip
 
 
@@ -84,7 +87,7 @@ def takes(
     kind = "x1" if x1 else "residual" if residual else "plain"
     return config.bwd_smem_partials(
         n, max(s_bytes, x_bytes), 4 if x1 else 1 if rms else 2, kind, torch.device("cuda"),
-        x_bytes == 4, True, staged, rms,
+        TORCH[DTYPES[dtype][2]].itemsize == 4, True, staged, rms,
     )  # fmt: skip
 
 
@@ -98,7 +101,7 @@ def compile_width(
     (no mean)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    stream, xw = DTYPES[dtype]
+    stream, xw, wt = DTYPES[dtype]
     constexprs = flags(n, dtype, residual, x1, rms)
     warps = constexprs["NUM_WARPS"]
     names = ("S W W1 MEAN RSTD DY DY1 DRES_OUT SEEDS DX DRES PARTS WS WS_NEXT stride_s_row "
@@ -115,7 +118,7 @@ def compile_width(
         "WS": constexprs["SPLIT"] > 1,
         "WS_NEXT": constexprs["SPLIT"] > 1,
     }
-    types = {"S": stream, "W": xw, "W1": xw, "MEAN": "fp32", "RSTD": "fp32", "DY": xw,
+    types = {"S": stream, "W": wt, "W1": wt, "MEAN": "fp32", "RSTD": "fp32", "DY": xw,
              "DY1": xw, "DRES_OUT": stream, "SEEDS": "i64", "DX": xw, "DRES": stream,
              "PARTS": "fp32", "WS": "i64", "WS_NEXT": "i64"}  # fmt: skip
     sig = {name: f"*{dt}" if present.get(name, True) else absent for name, dt in types.items()}
@@ -159,6 +162,8 @@ if __name__ == "__main__":
             ("fp32", False, True, False), ("bf16_res32", False, True, False),
             ("bf16", False, False, True), ("bf16", True, False, True),
             ("fp32", False, False, True), ("bf16_res32", True, False, True),
+            ("bf16_w32", False, False, False), ("bf16_w32", True, False, False),
+            ("bf16_w32", False, True, False), ("bf16_w32", False, False, True),
         ):  # fmt: skip
             if not takes(n, dtype, residual, x1, rms):
                 continue

@@ -664,6 +664,58 @@ def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight
     assert _smem_split() == [split]
 
 
+# 16-bit rows beside fp32 weights (autocast's parameters) in smem_kernels' backward
+# (config.BWD_SMEM_W4_16BIT): (columns, x's dtype, what the call adds to the norm, the slices
+# the rule gives: 0 for kernels.py's backward, 1 for a whole row). "plain": a weight and a
+# bias; "nobias": the weight alone (one partial; RMSNorm's whole 16384 keeps kernels.py's);
+# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output.
+SMEM_W4 = [
+    (12288, BF16, "plain", 1), (16384, FP16, "plain", 1), (14336, BF16, "nobias", 1),
+    (16384, BF16, "nobias", 1), (16384, BF16, "residual", 1), (12288, FP16, "residual", 1),
+    (32768, BF16, "plain", 2), (32768, FP16, "nobias", 2), (65536, BF16, "plain", 0),
+    (16384, BF16, "x1", 2), (12288, BF16, "x1", 0),
+]  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    layout=st.sampled_from(SMEM_W4),
+    is_rms_norm=st.booleans(),
+    zero_centered_weight=st.booleans(),
+    rows=st.sampled_from([1, 7, 133, 300]),
+    dropout_p=st.sampled_from([0.0, 0.1]),
+)
+# The fp32 weight in shared memory beside one staged row (16384 with dresidual_out), in
+# registers beside the fp32 partial dW in shared memory (one block), and x1's second weight.
+@example(layout=(16384, BF16, "residual", 1), is_rms_norm=False, zero_centered_weight=True,
+         rows=300, dropout_p=0.1)  # fmt: skip
+@example(layout=(16384, FP16, "plain", 1), is_rms_norm=False, zero_centered_weight=False,
+         rows=133, dropout_p=0.0)  # fmt: skip
+@example(layout=(16384, BF16, "x1", 2), is_rms_norm=False, zero_centered_weight=False,
+         rows=133, dropout_p=0.0)  # fmt: skip
+def test_gpu_smem_backward_fp32_weights(layout, is_rms_norm, zero_centered_weight, rows,
+                                        dropout_p):  # fmt: skip
+    """16-bit rows with fp32 weights (and biases) in smem_kernels' backward, whole or in
+    slices, where config.bwd_smem_partials takes them as it takes 16-bit weights: the weight
+    staged in shared memory as fp32 where partial dW is in registers, held in registers where
+    dW is in shared memory. Every gradient against the fp64 reference; the test fails if the
+    plan is not the one the rule gives."""
+    n, dtype, kind, split = layout
+    if kind == "nobias" and is_rms_norm and n == 16384:
+        split = 0  # RMSNorm's whole 16384 (config.bwd_smem_partials)
+    extra = {}
+    if kind == "nobias":
+        extra = dict(has_bias=False)
+    elif kind == "residual":
+        extra = dict(residual_dtype=dtype, prenorm=True, dropout_p=dropout_p)
+    elif kind == "x1":
+        extra = dict(residual_dtype=dtype, has_x1=True, has_w1=True, has_b1=True, prenorm=True)
+    case = Case(shape=(rows, n), dtype=dtype, weight_dtype=FP32, is_rms_norm=is_rms_norm,
+                zero_centered_weight=zero_centered_weight, seed=n + rows, **extra)  # fmt: skip
+    _smem_check(case)
+    assert _smem_split() == [split]
+
+
 SMEM_LACKS = {
     "rowscale": Case(shape=(37, 12288), dtype=BF16, rowscale=True, seed=3),
     "rowscale_dropout": Case(shape=(37, 16384), dtype=BF16, residual_dtype=BF16, rowscale=True,

@@ -1023,8 +1023,9 @@ def test_custom_op_body_keeps_its_kernel_plan(monkeypatch):
 def test_bwd_smem_rule_and_layout(monkeypatch):
     """config.bwd_smem_partials: only LayerNorm-type rows (a norm of x alone, or with a residual
     gradient in and out and x's dropout where BWD_SMEM_RESIDUAL) with two partials (or one, a
-    norm without a bias, where BWD_SMEM_ONE_PARTIAL), 16-bit rows
-    and weights, 10K-16K columns (multiples of 16), aligned rows, on an NVIDIA GPU that fits
+    norm without a bias, where BWD_SMEM_ONE_PARTIAL), 16-bit rows beside 16-bit weights (or
+    4-byte ones, where BWD_SMEM_W4_16BIT), 10K-16K columns (multiples of 16), aligned rows,
+    on an NVIDIA GPU that fits
     the kernel, never under the interpreter; bwd_smem_layout holds a power-of-two row whole
     and another as 8192 + a power-of-two tail, staged as deep as shared memory allows beside
     the partial dW or, where bwd_smem_dw_regs keeps dW in registers, the weight."""
@@ -1041,11 +1042,26 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert config.bwd_smem_partials(**{**ok, "kind": "residual"})
     for change in (dict(n_cols=10240), dict(n_cols=16400), dict(n_cols=12296),
                    dict(elem_bytes=4, staged_bytes=8), dict(partials=4), dict(kind=None),
-                   dict(w4=True), dict(aligned=False), dict(device=torch.device("cpu")),
+                   dict(aligned=False), dict(device=torch.device("cpu")),
                    dict(kind="residual", n_cols=16400)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**ok, **change}), change
     assert config.bwd_smem_partials(**{**ok, "n_cols": 16384})
     assert config.bwd_smem_partials(**{**ok, "kind": "residual", "n_cols": 16384})
+    # 16-bit rows beside 4-byte weights (BWD_SMEM_W4_16BIT), whole or in slices, as beside
+    # 16-bit ones; without BWD_SMEM_W4_16BIT kernels.py's backward.
+    w4_cases = (dict(w4=True), dict(w4=True, kind="residual", n_cols=16384),
+                dict(w4=True, partials=1, n_cols=14336), dict(w4=True, n_cols=32768),
+                dict(w4=True, n_cols=16384, partials=4, kind="x1", staged_bytes=8))  # fmt: skip
+    for change in w4_cases:
+        assert config.bwd_smem_partials(**{**ok, **change}), change
+    assert not config.bwd_smem_partials(**{**ok, "w4": True, "n_cols": 65536})  # no slices
+    fp32_rows = dict(w4=True, elem_bytes=4, staged_bytes=8, n_cols=16384)  # 4-byte rows: slices
+    with monkeypatch.context() as mp:
+        mp.setattr(config, "BWD_SMEM_W4_16BIT", False)
+        for change in w4_cases:
+            assert not config.bwd_smem_partials(**{**ok, **change}), change
+        assert config.bwd_smem_partials(**ok)
+        assert config.bwd_smem_partials(**{**ok, **fp32_rows})
     # One partial (a norm without a bias): as two, but not 4-byte rows in more than 8 slices,
     # nor RMSNorm's whole block of 16384 columns.
     one = dict(ok, partials=1)
@@ -1080,7 +1096,7 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=12, w4=True),
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=10)):  # fmt: skip
         assert config.bwd_smem_partials(**{**sliced, **change}), change
-    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True),
+    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True, n_cols=65536),
                    dict(kind="residual", staged_bytes=6),
                    dict(n_cols=12288, elem_bytes=4, staged_bytes=8),
                    dict(n_cols=262144, elem_bytes=4, staged_bytes=8),
@@ -1097,7 +1113,8 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                    dict(elem_bytes=4, staged_bytes=12), dict(elem_bytes=4, staged_bytes=8)):  # fmt: skip
         assert config.bwd_smem_partials(**{**x1, **change}), change
     for change in (dict(n_cols=12288), dict(n_cols=262144), dict(fp32_x1, n_cols=131072),
-                   dict(partials=2), dict(w4=True), dict(kind="plain"), dict(aligned=False)):  # fmt: skip
+                   dict(partials=2), dict(w4=True, n_cols=131072), dict(kind="plain"),
+                   dict(aligned=False)):  # fmt: skip
         assert not config.bwd_smem_partials(**{**x1, **change}), change
     assert not config.bwd_smem_partials(**{**ok, "partials": 4})
     assert config.bwd_smem_sliced(16384, 2, "x1") and not config.bwd_smem_sliced(16384, 2)
@@ -1163,17 +1180,26 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
     assert not config.bwd_smem_dw_regs(False, torch.float16, 0)  # one block, fp16 weights
     assert config.bwd_smem_dw_regs(False, torch.float16, 4096)  # 8192 + a tail
     assert config.bwd_smem_layout(16384, False, torch.float16) == (16384, 0, 2)
+    # fp32 weights: dW in shared memory on one block (the weight in registers), in registers on
+    # 8192 + a tail or with dresidual_out staged, the fp32 weight then in shared memory beside
+    # one staged row at 16384 columns.
+    assert not config.bwd_smem_dw_regs(False, torch.float32, 0)
+    assert config.bwd_smem_layout(16384, False, torch.float32) == (16384, 0, 2)
+    assert config.bwd_smem_layout(12288, False, torch.float32) == (16384, 4096, 2)
+    assert config.bwd_smem_layout(12288, True, torch.float32) == (16384, 4096, 2)
+    assert config.bwd_smem_layout(16384, True, torch.float32) == (16384, 0, 1)
     # Where the rule takes dresidual_out (up to BWD_SMEM_RESIDUAL_MAX_COLS) it is staged too,
     # beside the weight (16-bit) where dW is in registers, else beside the fp32 partial dW.
-    for n, dres_out in itertools.product(
-        range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16), (False, True)
-    ):
+    for n, dres_out, wdt in itertools.product(
+        range(config.BWD_SMEM_MIN_COLS + 15, config.BWD_SMEM_MAX_COLS + 1, 16), (False, True),
+        (torch.bfloat16, torch.float16, torch.float32),
+    ):  # fmt: skip
         if dres_out and n > config.BWD_SMEM_RESIDUAL_MAX_COLS:
             continue
-        block, tail, stages = config.bwd_smem_layout(n, dres_out)
+        block, tail, stages = config.bwd_smem_layout(n, dres_out, wdt)
         held = block // 2 + tail if tail else block
-        assert held >= n and stages >= 2
-        fixed = 2 if config.bwd_smem_dw_regs(dres_out, torch.bfloat16, tail) else 4
+        assert held >= n and stages >= (1 if wdt == torch.float32 else 2)
+        fixed = wdt.itemsize if config.bwd_smem_dw_regs(dres_out, wdt, tail) else 4
         assert held * (fixed + 2 * stages * (3 if dres_out else 2)) <= config.BWD_SMEM_BYTES
 
 
@@ -1298,7 +1324,9 @@ def test_smem_kernel_compiles_for_sm90():
     (scripts/compile_smem.py, in a process without the interpreter: there is no Gluon under
     it, so this is what CI can check of the kernel), for LayerNorm with a bias alone (dW in
     registers; fp16 at 16384: in shared memory) and for dropout + add + LayerNorm with prenorm at
-    both layouts (a whole 16384 row; 8192 + a 4096 tail), and for rows in slices (4-byte rows
+    both layouts (a whole 16384 row; 8192 + a 4096 tail), both also with bf16 rows beside fp32
+    weights (one staged row beside the fp32 weight at 16384 with prenorm), and for rows in
+    slices (4-byte rows
     at 16384, 16-bit and fp32 rows at 65536, x1's path at 16384 and 65536), and for RMSNorm
     without a bias where the rule takes it, within the shared memory a Hopper block may
     take."""
@@ -1318,10 +1346,12 @@ def test_smem_kernel_compiles_for_sm90():
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    for n, dtype, residual in itertools.product((12288, 16384), ("bf16", "fp16"), (False, True)):
+    for n, dtype, residual in itertools.product(
+        (12288, 16384), ("bf16", "fp16", "bf16_w32"), (False, True)
+    ):
         if dtype == "fp16" and residual:
             continue
-        w = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        w = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16_w32": torch.float32}[dtype]
         block, tail, stages = config.bwd_smem_layout(n, residual, w)
         line = re.search(rf"(?m)^dtype={dtype} n={n} residual={residual} x1=False .*",
                          out.stdout).group(0)  # fmt: skip
@@ -1330,7 +1360,7 @@ def test_smem_kernel_compiles_for_sm90():
         dw_regs = config.bwd_smem_dw_regs(residual, w, tail)  # the weight, or dW (fp32), beside
         assert f"dw_regs={dw_regs}" in line
         assert dw_regs == (residual or dtype == "bf16" or n == 12288)
-        staged = held * ((2 if dw_regs else 4) + 2 * stages * (3 if residual else 2))
+        staged = held * ((w.itemsize if dw_regs else 4) + 2 * stages * (3 if residual else 2))
         assert staged <= shared <= 227 * 1024, out.stdout
     # Rows in slices (config.bwd_smem_slices): 4-byte rows at 16384 (fp32 rows' dresidual_out
     # in registers, not staged: config.bwd_smem_dres_regs), 16-bit rows at 65536, x1's
