@@ -1040,6 +1040,16 @@ BWD_SMEM_SLICE_MAX = 16384
 BWD_SMEM_SLICE_MIN_BYTES = 65536
 BWD_SMEM_MAX_SPLIT = 16
 BWD_SMEM_LAG_MIN_SPLIT = 3
+# Rows whose slices fit 2 rows deep but not LAG's 3 take 2 without LAG, in at most
+# BWD_SMEM_NOLAG_MAX_SPLIT slices (bwd_smem_slices), where measured: 16-bit rows beside fp32
+# weights from 48K columns and the x1 path's from 32K (bwd_smem_partials), with one partial (a
+# norm without a bias) in at most BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT. Bench-style A/B, H200, 2026-11-26 (bench/NOTES.md
+# #99), bf16 x with fp32 weights, backward, kernels.py -> slices: LayerNorm 65536 / 131072 (4 /
+# 8 slices of 16K) 310.2 / 343.2 -> 262.0 / 311.4 us, without a bias 65536 286.2 -> 255.5,
+# RMSNorm 65536 265.8 -> 251.7, the x1 path 32768 / 65536 (4 / 8 of 8K) 581.7 / 582.5 ->
+# 462.8 / 537.2; not taken, slower: RMSNorm 131072 in 8 slices 274.2 -> 291.8.
+BWD_SMEM_NOLAG_MAX_SPLIT = 8
+BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT = 4
 BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
 # x1's path with its second output (weight1 and bias1 beside weight and bias: four partials;
 # dy1 staged; no gradient buffer of x1's own, so no dropout) always in slices (sixteen
@@ -1130,7 +1140,9 @@ def bwd_smem_slices(
     registers): 2 rows, or with ``lag`` (BWD_SMEM_LAG_MIN_SPLIT slices or more: the sums
     published a row ahead, smem_kernels' LAG) 3. A slice stages at least
     BWD_SMEM_SLICE_MIN_BYTES of each row (``x1``, x1's second output:
-    BWD_SMEM_X1_SLICE_MIN_BYTES). Where no power of two does all that, x1's row may be two
+    BWD_SMEM_X1_SLICE_MIN_BYTES). Where no power of two does that 3 deep with LAG, one that
+    does it 2 deep without, in at most BWD_SMEM_NOLAG_MAX_SPLIT slices. Where no power of two
+    does all that, x1's row may be two
     slices of a power of two and a tail of at least a quarter of it (BWD_SMEM_X1_TAILS,
     slice_parts: 20480 as 2 x (8192 + 2048)) that stage BWD_SMEM_SLICE_MIN_BYTES of a row.
     None where no slice does all that."""
@@ -1143,6 +1155,16 @@ def bwd_smem_slices(
         fits = width * (weight_bytes + stages * staged_bytes) <= BWD_SMEM_BYTES
         if n_cols % width == 0 and split >= 2 and fits:
             return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
+        width //= 2
+    # Where no slice fits 3 rows deep with LAG, one that fits 2 deep without it (e.g. 16K-column
+    # slices of 16-bit rows beside fp32 weights), in at most BWD_SMEM_NOLAG_MAX_SPLIT slices.
+    width = BWD_SMEM_SLICE_MAX
+    while width * staged_bytes >= min_bytes:
+        split = n_cols // width
+        fits = width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES
+        many = BWD_SMEM_LAG_MIN_SPLIT <= split <= BWD_SMEM_NOLAG_MAX_SPLIT
+        if n_cols % width == 0 and many and fits:
+            return width, split, 2, False
         width //= 2
     # Two slices of a power of two + a tail (whole multiples of 16 columns each), 2 rows deep.
     if not (x1 and BWD_SMEM_X1_TAILS and n_cols >= 32 and n_cols % 32 == 0):
@@ -1207,6 +1229,13 @@ def bwd_smem_partials(
             return False
         if partials == 1 and elem_bytes == 4 and slices[1] > BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B:
             return False
+        # Slices without LAG where it would take 3 (bwd_smem_slices): as measured, 16-bit rows
+        # beside 4-byte weights only, and with one partial in fewer slices.
+        if slices[1] >= BWD_SMEM_LAG_MIN_SPLIT and not slices[3]:
+            if not (w4 and elem_bytes == 2):
+                return False
+            if partials == 1 and slices[1] > BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT:
+                return False
     elif elem_bytes != 2 or (w4 and not BWD_SMEM_W4_16BIT):
         return False
     elif kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS:

@@ -668,12 +668,16 @@ def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight
 # (config.BWD_SMEM_W4_16BIT): (columns, x's dtype, what the call adds to the norm, the slices
 # the rule gives: 0 for kernels.py's backward, 1 for a whole row). "plain": a weight and a
 # bias; "nobias": the weight alone (one partial; RMSNorm's whole 16384 keeps kernels.py's);
-# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output.
+# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output. Beyond 32K
+# columns (the x1 path: beyond 16K) the slices fit 2 rows deep without LAG, not 3 with it
+# (config.BWD_SMEM_NOLAG_MAX_SPLIT).
 SMEM_W4 = [
     (12288, BF16, "plain", 1), (16384, FP16, "plain", 1), (14336, BF16, "nobias", 1),
     (16384, BF16, "nobias", 1), (16384, BF16, "residual", 1), (12288, FP16, "residual", 1),
-    (32768, BF16, "plain", 2), (32768, FP16, "nobias", 2), (65536, BF16, "plain", 0),
-    (16384, BF16, "x1", 2), (12288, BF16, "x1", 0),
+    (32768, BF16, "plain", 2), (32768, FP16, "nobias", 2), (65536, BF16, "plain", 4),
+    (131072, BF16, "plain", 8), (65536, FP16, "nobias", 4), (131072, BF16, "nobias", 0),
+    (262144, BF16, "plain", 0), (16384, BF16, "x1", 2), (32768, BF16, "x1", 4),
+    (12288, BF16, "x1", 0),
 ]  # fmt: skip
 
 
@@ -686,19 +690,25 @@ SMEM_W4 = [
     dropout_p=st.sampled_from([0.0, 0.1]),
 )
 # The fp32 weight in shared memory beside one staged row (16384 with dresidual_out), in
-# registers beside the fp32 partial dW in shared memory (one block), and x1's second weight.
+# registers beside the fp32 partial dW in shared memory (one block), x1's second weight, and
+# slices without LAG.
 @example(layout=(16384, BF16, "residual", 1), is_rms_norm=False, zero_centered_weight=True,
          rows=300, dropout_p=0.1)  # fmt: skip
 @example(layout=(16384, FP16, "plain", 1), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.0)  # fmt: skip
 @example(layout=(16384, BF16, "x1", 2), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.0)  # fmt: skip
+@example(layout=(131072, BF16, "plain", 8), is_rms_norm=False, zero_centered_weight=False,
+         rows=7, dropout_p=0.0)  # fmt: skip
+@example(layout=(32768, BF16, "x1", 4), is_rms_norm=False, zero_centered_weight=True,
+         rows=300, dropout_p=0.0)  # fmt: skip
 def test_gpu_smem_backward_fp32_weights(layout, is_rms_norm, zero_centered_weight, rows,
                                         dropout_p):  # fmt: skip
     """16-bit rows with fp32 weights (and biases) in smem_kernels' backward, whole or in
-    slices, where config.bwd_smem_partials takes them as it takes 16-bit weights: the weight
-    staged in shared memory as fp32 where partial dW is in registers, held in registers where
-    dW is in shared memory. Every gradient against the fp64 reference; the test fails if the
+    slices, where config.bwd_smem_partials takes them as it takes 16-bit weights (and in up to
+    8 slices without LAG where LAG's 3 staged rows do not fit beside the fp32 weight): the
+    weight staged in shared memory as fp32 where partial dW is in registers, held in registers
+    where dW is in shared memory. Every gradient against the fp64 reference; the test fails if the
     plan is not the one the rule gives."""
     n, dtype, kind, split = layout
     if kind == "nobias" and is_rms_norm and n == 16384:

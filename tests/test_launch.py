@@ -1054,7 +1054,22 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                 dict(w4=True, n_cols=16384, partials=4, kind="x1", staged_bytes=8))  # fmt: skip
     for change in w4_cases:
         assert config.bwd_smem_partials(**{**ok, **change}), change
-    assert not config.bwd_smem_partials(**{**ok, "w4": True, "n_cols": 65536})  # no slices
+    # Beyond 32K their 16K slices fit 2 rows deep, not LAG's 3: taken without LAG in up to 8
+    # slices (BWD_SMEM_NOLAG_MAX_SPLIT), with one partial in up to 4; no other rows take
+    # slices without LAG where LAG would be due (bf16 x with an fp32 stream of its own).
+    assert config.bwd_smem_slices(65536, 4, 4) == (16384, 4, 2, False)
+    assert config.bwd_smem_slices(131072, 4, 4) == (16384, 8, 2, False)
+    assert config.bwd_smem_slices(262144, 4, 4) is None
+    assert config.bwd_smem_slices(32768, 8, 8, True) == (8192, 4, 2, False)
+    for change in (dict(n_cols=65536), dict(n_cols=131072), dict(n_cols=65536, partials=1),
+                   dict(n_cols=32768, partials=4, kind="x1", staged_bytes=8),
+                   dict(n_cols=65536, partials=4, kind="x1", staged_bytes=8)):  # fmt: skip
+        assert config.bwd_smem_partials(**{**ok, "w4": True, **change}), change
+    for change in (dict(n_cols=262144), dict(n_cols=131072, partials=1),
+                   dict(n_cols=131072, partials=4, kind="x1", staged_bytes=8),
+                   dict(w4=False, elem_bytes=4, staged_bytes=6, n_cols=65536)):  # fmt: skip
+        assert not config.bwd_smem_partials(**{**ok, "w4": True, **change}), change
+    assert config.bwd_smem_slices(65536, 6, 2) == (16384, 4, 2, False)
     fp32_rows = dict(w4=True, elem_bytes=4, staged_bytes=8, n_cols=16384)  # 4-byte rows: slices
     with monkeypatch.context() as mp:
         mp.setattr(config, "BWD_SMEM_W4_16BIT", False)
@@ -1096,7 +1111,7 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=12, w4=True),
                    dict(n_cols=16384, elem_bytes=4, kind="residual", staged_bytes=10)):  # fmt: skip
         assert config.bwd_smem_partials(**{**sliced, **change}), change
-    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True, n_cols=65536),
+    for change in (dict(n_cols=20480), dict(n_cols=524288), dict(w4=True, n_cols=262144),
                    dict(kind="residual", staged_bytes=6),
                    dict(n_cols=12288, elem_bytes=4, staged_bytes=8),
                    dict(n_cols=262144, elem_bytes=4, staged_bytes=8),
@@ -1160,7 +1175,10 @@ def test_bwd_smem_rule_and_layout(monkeypatch):
                 assert x1 and split == 2 and block >= tail >= block // 4 and tail % 512 == 0
                 assert width * staged >= config.BWD_SMEM_SLICE_MIN_BYTES
             assert width * (weight + stages * staged) <= config.BWD_SMEM_BYTES
-            assert lag == (split >= config.BWD_SMEM_LAG_MIN_SPLIT) and stages == 2 + lag
+            assert stages == 2 + lag and (not lag or split >= config.BWD_SMEM_LAG_MIN_SPLIT)
+            if not lag and split >= config.BWD_SMEM_LAG_MIN_SPLIT:  # LAG's 3 rows do not fit
+                assert split <= config.BWD_SMEM_NOLAG_MAX_SPLIT
+                assert width * (weight + 3 * staged) > config.BWD_SMEM_BYTES
     monkeypatch.setattr(config, "BWD_SMEM_RESIDUAL", False)
     assert not config.bwd_smem_partials(**{**ok, "kind": "residual"})
     assert config.bwd_smem_partials(**ok)
