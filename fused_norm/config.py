@@ -1005,7 +1005,9 @@ BWD_SMEM_ONE_PARTIAL = True
 # kernel: LayerNorm 12288 / 16384 / 32768 306.2 / 306.8 / 296.8 -> 234.2 / 237.7 / 257.2 us,
 # without a bias 16384 402.3 -> 235.9, RMSNorm 12288 / 32768 232.4 / 269.5 -> 224.1 / 240.2,
 # dropout + add + LayerNorm 12288 / 16384 501.9 / 512.4 -> 404.1 / 448.7, the x1 path 16384
-# 586.6 -> 449.6. ``BWD_SMEM_W4_16BIT = False`` keeps those rows on kernels.py's backward.
+# 586.6 -> 449.6. Beyond 32K columns (the x1 path: 16K) their slices fit 2 rows deep only:
+# BWD_SMEM_NOLAG_MAX_SPLIT. ``BWD_SMEM_W4_16BIT = False`` keeps those rows on kernels.py's
+# backward.
 BWD_SMEM_W4_16BIT = True
 BWD_SMEM_ONE_PARTIAL_MAX_SPLIT_4B = 8
 BWD_SMEM_RESIDUAL_MAX_COLS = 16384
@@ -1042,12 +1044,13 @@ BWD_SMEM_MAX_SPLIT = 16
 BWD_SMEM_LAG_MIN_SPLIT = 3
 # Rows whose slices fit 2 rows deep but not LAG's 3 take 2 without LAG, in at most
 # BWD_SMEM_NOLAG_MAX_SPLIT slices (bwd_smem_slices), where measured: 16-bit rows beside fp32
-# weights from 48K columns and the x1 path's from 32K (bwd_smem_partials), with one partial (a
-# norm without a bias) in at most BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT. Bench-style A/B, H200, 2026-11-26 (bench/NOTES.md
-# #99), bf16 x with fp32 weights, backward, kernels.py -> slices: LayerNorm 65536 / 131072 (4 /
-# 8 slices of 16K) 310.2 / 343.2 -> 262.0 / 311.4 us, without a bias 65536 286.2 -> 255.5,
-# RMSNorm 65536 265.8 -> 251.7, the x1 path 32768 / 65536 (4 / 8 of 8K) 581.7 / 582.5 ->
-# 462.8 / 537.2; not taken, slower: RMSNorm 131072 in 8 slices 274.2 -> 291.8.
+# weights from 48K columns and the x1 path's from 24K (bwd_smem_partials), with one partial (a
+# norm without a bias) in at most BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT. Bench-style A/B, H200,
+# 2026-11-26 (bench/NOTES.md #99), bf16 x with fp32 weights, backward, kernels.py -> slices:
+# LayerNorm 65536 / 131072 (4 / 8 slices of 16K) 310.2 / 343.2 -> 262.0 / 311.4 us, without a
+# bias 65536 286.2 -> 255.5, RMSNorm 65536 265.8 -> 251.7, the x1 path 32768 / 65536 (4 / 8
+# of 8K) 581.7 / 582.5 -> 462.8 / 537.2; not taken, slower: RMSNorm 131072 in 8 slices 274.2
+# -> 291.8.
 BWD_SMEM_NOLAG_MAX_SPLIT = 8
 BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT = 4
 BWD_SMEM_RESIDUAL_MAX_SPLIT = 2
@@ -1141,11 +1144,11 @@ def bwd_smem_slices(
     published a row ahead, smem_kernels' LAG) 3. A slice stages at least
     BWD_SMEM_SLICE_MIN_BYTES of each row (``x1``, x1's second output:
     BWD_SMEM_X1_SLICE_MIN_BYTES). Where no power of two does that 3 deep with LAG, one that
-    does it 2 deep without, in at most BWD_SMEM_NOLAG_MAX_SPLIT slices. Where no power of two
-    does all that, x1's row may be two
-    slices of a power of two and a tail of at least a quarter of it (BWD_SMEM_X1_TAILS,
-    slice_parts: 20480 as 2 x (8192 + 2048)) that stage BWD_SMEM_SLICE_MIN_BYTES of a row.
-    None where no slice does all that."""
+    does it 2 deep without, in BWD_SMEM_LAG_MIN_SPLIT to BWD_SMEM_NOLAG_MAX_SPLIT slices
+    (bwd_smem_partials takes those for 16-bit rows beside 4-byte weights only). Where no power
+    of two does all that, x1's row may be two slices of a power of two and a tail of at least a
+    quarter of it (BWD_SMEM_X1_TAILS, slice_parts: 20480 as 2 x (8192 + 2048)) that stage
+    BWD_SMEM_SLICE_MIN_BYTES of a row. None where no slice does all that."""
     width = BWD_SMEM_SLICE_MAX
     min_bytes = BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else BWD_SMEM_SLICE_MIN_BYTES
     while width * staged_bytes >= min_bytes:
@@ -1207,7 +1210,9 @@ def bwd_smem_partials(
     any dresidual_out and dy1, beside weights of ``w4``'s bytes): of x alone, or with a
     residual of 4-byte elements in at most BWD_SMEM_RESIDUAL_MAX_SPLIT slices; x1's path
     always in slices. 16-bit rows beside 4-byte parameters (``w4``) only where
-    BWD_SMEM_W4_16BIT. The kernel is Gluon's: never under the interpreter."""
+    BWD_SMEM_W4_16BIT; slices without LAG where it would be due (bwd_smem_slices' second
+    pass) only for those, and with one partial in at most BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT
+    of them. The kernel is Gluon's: never under the interpreter."""
     kinds = ((2, "plain"), (2, "residual"), (4, "x1"))
     if BWD_SMEM_ONE_PARTIAL:
         kinds += ((1, "plain"), (1, "residual"))

@@ -10,9 +10,8 @@ without a bias (one partial), alone and in dropout + add + RMSNorm:
 
 Rows of bf16, fp16 (a norm of x alone), fp32, bf16 with an fp32 residual stream
 (``bf16_res32``) and bf16 with fp32 weights (``bf16_w32``), each where the launcher takes the
-kernel (config.bwd_smem_partials on a
-Hopper GPU): whole rows of 16-bit elements to 16384 columns, and rows in slices beyond that or
-of 4-byte elements (config.bwd_smem_slices).
+kernel (config.bwd_smem_partials on a Hopper GPU): whole rows of 16-bit elements to 16384
+columns, and rows in slices beyond that or of 4-byte elements (config.bwd_smem_slices).
 
 Run without TRITON_INTERPRET: under the interpreter Triton's own library functions (``sum``)
 are interpreted, and Gluon's compiler refuses them. tests/test_launch.py runs this.

@@ -668,9 +668,9 @@ def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight
 # (config.BWD_SMEM_W4_16BIT): (columns, x's dtype, what the call adds to the norm, the slices
 # the rule gives: 0 for kernels.py's backward, 1 for a whole row). "plain": a weight and a
 # bias; "nobias": the weight alone (one partial; RMSNorm's whole 16384 keeps kernels.py's);
-# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output. Beyond 32K
-# columns (the x1 path: beyond 16K) the slices fit 2 rows deep without LAG, not 3 with it
-# (config.BWD_SMEM_NOLAG_MAX_SPLIT).
+# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output. From 48K
+# columns (the x1 path: from 24K) the slices fit 2 rows deep without LAG, not 3 with it
+# (config.BWD_SMEM_NOLAG_MAX_SPLIT; one partial in at most 4 of them).
 SMEM_W4 = [
     (12288, BF16, "plain", 1), (16384, FP16, "plain", 1), (14336, BF16, "nobias", 1),
     (16384, BF16, "nobias", 1), (16384, BF16, "residual", 1), (12288, FP16, "residual", 1),
@@ -708,8 +708,8 @@ def test_gpu_smem_backward_fp32_weights(layout, is_rms_norm, zero_centered_weigh
     slices, where config.bwd_smem_partials takes them as it takes 16-bit weights (and in up to
     8 slices without LAG where LAG's 3 staged rows do not fit beside the fp32 weight): the
     weight staged in shared memory as fp32 where partial dW is in registers, held in registers
-    where dW is in shared memory. Every gradient against the fp64 reference; the test fails if the
-    plan is not the one the rule gives."""
+    where dW is in shared memory. Every gradient against the fp64 reference; the test fails if
+    the plan is not the one the rule gives."""
     n, dtype, kind, split = layout
     if kind == "nobias" and is_rms_norm and n == 16384:
         split = 0  # RMSNorm's whole 16384 (config.bwd_smem_partials)
