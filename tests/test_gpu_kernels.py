@@ -622,14 +622,19 @@ SMEM_ONE_PARTIAL = [
     (16384, BF16, "fp32", 2), (12288, BF16, "fp32", 0), (32768, FP32, "fp32", 0),
 ]  # fmt: skip
 
-
-@settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    layout=st.sampled_from(SMEM_ONE_PARTIAL),
+# What the tests of a table of layouts draw beside the layout (in this order, after it).
+SMEM_LAYOUT_DRAWS = dict(
     is_rms_norm=st.booleans(),
     zero_centered_weight=st.booleans(),
     rows=st.sampled_from([1, 7, 133, 300]),
     dropout_p=st.sampled_from([0.0, 0.1]),
+)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    layout=st.sampled_from(SMEM_ONE_PARTIAL),
+    **SMEM_LAYOUT_DRAWS,
 )
 # Bf16 x with an fp32 stream at 16384 (the benchmark's add + RMSNorm row), fp32 rows in 8
 # slices (LAG), a padded whole row with dropout, LayerNorm's whole 16384.
@@ -684,10 +689,7 @@ SMEM_W4 = [
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     layout=st.sampled_from(SMEM_W4),
-    is_rms_norm=st.booleans(),
-    zero_centered_weight=st.booleans(),
-    rows=st.sampled_from([1, 7, 133, 300]),
-    dropout_p=st.sampled_from([0.0, 0.1]),
+    **SMEM_LAYOUT_DRAWS,
 )
 # The fp32 weight in shared memory beside one staged row (16384 with dresidual_out), in
 # registers beside the fp32 partial dW in shared memory (one block), x1's second weight, and
