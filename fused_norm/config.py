@@ -1151,6 +1151,7 @@ def bwd_smem_slices(
     BWD_SMEM_SLICE_MIN_BYTES of a row. None where no slice does all that."""
     width = BWD_SMEM_SLICE_MAX
     min_bytes = BWD_SMEM_X1_SLICE_MIN_BYTES if x1 else BWD_SMEM_SLICE_MIN_BYTES
+    lagless = None  # the widest that fits 2 rows deep where LAG's 3 do not
     while width * staged_bytes >= min_bytes:
         split = n_cols // width
         lag = split >= BWD_SMEM_LAG_MIN_SPLIT
@@ -1158,17 +1159,12 @@ def bwd_smem_slices(
         fits = width * (weight_bytes + stages * staged_bytes) <= BWD_SMEM_BYTES
         if n_cols % width == 0 and split >= 2 and fits:
             return (width, split, stages, lag) if split <= BWD_SMEM_MAX_SPLIT else None
+        if (lagless is None and lag and n_cols % width == 0 and split <= BWD_SMEM_NOLAG_MAX_SPLIT
+                and width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES):  # fmt: skip
+            lagless = (width, split, 2, False)
         width //= 2
-    # Where no slice fits 3 rows deep with LAG, one that fits 2 deep without it (e.g. 16K-column
-    # slices of 16-bit rows beside fp32 weights), in at most BWD_SMEM_NOLAG_MAX_SPLIT slices.
-    width = BWD_SMEM_SLICE_MAX
-    while width * staged_bytes >= min_bytes:
-        split = n_cols // width
-        fits = width * (weight_bytes + 2 * staged_bytes) <= BWD_SMEM_BYTES
-        many = BWD_SMEM_LAG_MIN_SPLIT <= split <= BWD_SMEM_NOLAG_MAX_SPLIT
-        if n_cols % width == 0 and many and fits:
-            return width, split, 2, False
-        width //= 2
+    if lagless is not None:  # e.g. 16K-column slices of 16-bit rows beside fp32 weights
+        return lagless
     # Two slices of a power of two + a tail (whole multiples of 16 columns each), 2 rows deep.
     if not (x1 and BWD_SMEM_X1_TAILS and n_cols >= 32 and n_cols % 32 == 0):
         return None
@@ -1223,12 +1219,12 @@ def bwd_smem_partials(
     # The cheap tests first: most rows are not of the kernel's widths.
     if not (aligned and bwd_smem_width(n_cols) and _nvidia(device)) or INTERPRETED:
         return False
+    if w4 and elem_bytes == 2 and not BWD_SMEM_W4_16BIT:  # 16-bit rows beside 4-byte weights
+        return False
     if bwd_smem_sliced(n_cols, elem_bytes, kind):
         x1 = kind == "x1"
         slices = bwd_smem_slices(n_cols, staged_bytes, (4 if w4 else 2) * (1 + x1), x1)
         if not BWD_SMEM_SPLIT or slices is None:
-            return False
-        if w4 and elem_bytes == 2 and not BWD_SMEM_W4_16BIT:
             return False
         if kind == "residual" and (elem_bytes != 4 or slices[1] > BWD_SMEM_RESIDUAL_MAX_SPLIT):
             return False
@@ -1241,7 +1237,7 @@ def bwd_smem_partials(
                 return False
             if partials == 1 and slices[1] > BWD_SMEM_NOLAG_ONE_PARTIAL_MAX_SPLIT:
                 return False
-    elif elem_bytes != 2 or (w4 and not BWD_SMEM_W4_16BIT):
+    elif elem_bytes != 2:
         return False
     elif kind == "residual" and n_cols > BWD_SMEM_RESIDUAL_MAX_COLS:
         return False
