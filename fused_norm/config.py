@@ -183,24 +183,36 @@ FWD_LANE_CHUNKS = {
     ("rms", 12288): (4096, 16, False),
     ("rms", 16384): (8192, 16, False),
     ("rms", 32768): (8192, 32, False),
+    # Rows beside 4-byte weights (fp32 parameters, as autocast passes them), keyed with those
+    # bytes and looked up first. Bench-style A/B (H200, bf16 x, 2026-11-26, bench/NOTES.md
+    # #100), three rounds each: LayerNorm 16K in 2K chunks 145.9-146.7 -> 142.7-143.1 us
+    # (89.0-89.3 -> 91.2-91.3% of copy; torch.compile's looped reduction, 2K on 16 warps too,
+    # 140.0-140.3 us); with bf16 weights 2K chunks lose (94.5 -> 90.8%).
+    ("ln", 16384, 4): (2048, 16, False),
 }
 
 
-def fwd_lane_chunk(n_cols: int, elem_bytes: int, plain: str = "") -> tuple[int, int, bool] | None:
+def fwd_lane_chunk(
+    n_cols: int, elem_bytes: int, plain: str = "", weight_bytes: int = 2
+) -> tuple[int, int, bool] | None:
     """(columns per chunk, warps, unrolled) where a forward row of a norm of x alone (``plain``:
     "ln" / "rms") in 16 bits runs as lane-summed chunks (FWD_LANE_CHUNKS), else None: the entry
-    of its own width, or where it is one block (not two: fwd_block_tail), of its padded width."""
+    of its own width, or where it is one block (not two: fwd_block_tail), of its padded width;
+    at each, the entry for weights of ``weight_bytes`` first."""
     if elem_bytes != 2 or not plain:
         return None
     block_n, num_chunks = block_config(n_cols, elem_bytes)
     if num_chunks != 1:
         return None
-    if (plain, n_cols) in FWD_LANE_CHUNKS:
-        return FWD_LANE_CHUNKS[(plain, n_cols)]
+    widths = [n_cols]
     rows = fwd_rows_per_program(block_n, num_chunks, plain)
-    if rows == 1 and fwd_block_tail(n_cols, block_n, num_chunks)[1]:
-        return None
-    return FWD_LANE_CHUNKS.get((plain, block_n))
+    if rows > 1 or not fwd_block_tail(n_cols, block_n, num_chunks)[1]:
+        widths.append(block_n)
+    for width in widths:
+        for key in ((plain, width, weight_bytes), (plain, width)):
+            if key in FWD_LANE_CHUNKS:
+                return FWD_LANE_CHUNKS[key]
+    return None
 
 
 def fwd_chunk_unroll(lane: tuple[int, int, bool] | None, num_chunks: int) -> int:
@@ -209,13 +221,14 @@ def fwd_chunk_unroll(lane: tuple[int, int, bool] | None, num_chunks: int) -> int
     return num_chunks if lane and lane[2] else 1
 
 
-def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple:
+def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "", weight_bytes: int = 2) -> tuple:
     """(BLOCK_N, NUM_CHUNKS, TAIL_N, rows per program, lane) of a forward row that is not split:
     the padded block and its chunks (block_config), the tail where that block is held as two
     (fwd_block_tail: its first block is then BLOCK_N // 2; a tile of several rows keeps one
     block) and the rows per program (fwd_rows_per_program), lane None; or the lane-summed
-    chunks of a 16-bit norm of x alone, lane their (chunk, warps, unrolled) (fwd_lane_chunk)."""
-    lane = fwd_lane_chunk(n_cols, elem_bytes, plain)
+    chunks of a 16-bit norm of x alone, lane their (chunk, warps, unrolled) (fwd_lane_chunk,
+    which also asks the weights' bytes)."""
+    lane = fwd_lane_chunk(n_cols, elem_bytes, plain, weight_bytes)
     if lane:
         return lane[0], cdiv(n_cols, lane[0]), 0, 1, lane
     block_n, num_chunks = block_config(n_cols, elem_bytes)
@@ -228,6 +241,31 @@ def fwd_block_layout(n_cols: int, elem_bytes: int, plain: str = "") -> tuple:
 # first sweep's loads kept for the second ("evict_last"), the second's let go ("evict_first"),
 # as torch.compile's looped reductions do.
 FWD_CHUNK_EVICT = ("evict_last", "evict_first")
+
+
+# One-block forward rows that load their weights and biases ahead of the row's statistics,
+# beside the row's own loads, instead of after them (kernels._load_params, constexpr
+# EARLY_PARAMS): a norm of x alone (``plain``) by its width, which fills its block (no masked
+# columns), with 16-bit rows and weights, one row a program. Bench-style A/B (H200,
+# 2026-11-26, bench/NOTES.md #100), three rounds in each of two calls: LayerNorm 4096 bf16
+# 135.9-137.0 -> 134.2-134.4 us (95.0 -> 96.2-96.9% of copy; 56 -> 80 registers on its 4
+# warps), fp16 136.0 -> 132.1 us (94.9 -> 97.7%). Not taken where it did not gain (2048 +0.5
+# points, RMSNorm and add + RMSNorm +0.4, the x1 path -0.4) or lost: LayerNorm 4000 (its
+# 4096 block partly masked) -1.4 points, 1024 on 2 warps -0.7, 8192 -6 (on 8 warps, fewer
+# programs a SM); beside fp32 weights, whose loads held ahead take twice the registers,
+# LayerNorm 1024 94.2 -> 84.4% and 4096 96.0 -> 72.4%.
+FWD_EARLY_PARAMS = {("ln", 4096)}
+
+
+def fwd_early_params(plain: str, n_cols: int, block_n: int, tail: int, rows: int,
+                     num_chunks: int, split: int, elem_bytes: int,
+                     weight_bytes: int) -> bool:  # fmt: skip
+    """Whether a forward row of ``n_cols`` columns loads its weights and biases ahead
+    (FWD_EARLY_PARAMS): one block of exactly its width (``block_n``), rows of 16-bit
+    elements (``elem_bytes``, the widest row tensor's) and weights."""
+    if split > 1 or num_chunks > 1 or tail or rows > 1 or n_cols != block_n:
+        return False
+    return elem_bytes == weight_bytes == 2 and (plain, n_cols) in FWD_EARLY_PARAMS
 
 
 def fwd_num_warps(
@@ -334,23 +372,35 @@ FWD_WIDE_ELEM_BLOCK = {
 # warps) any cap of 80-112 loses (95.6 -> 73%).
 FWD_X1_W4_BLOCK = {(8192, False): (16, None), (8192, True): (16, None), (16384, False): (32, 96)}
 
+# LayerNorm of x alone in one block (no tail) of 16-bit columns with 4-byte weights, by the
+# padded block: (warps, register cap). Bench-style A/B (H200, bf16 x, fp32 weights, 2026-11-26,
+# bench/NOTES.md #100), three rounds in each of two calls: 1024 columns on 1 warp instead of 2
+# 137.6-138.2 -> 135.1-135.8 us (94.2-94.7 -> 95.9-96.4% of copy; torch.compile's persistent
+# reduction runs one warp a row too); with bf16 weights even (96.5-96.9 -> 96.5-97.0%).
+FWD_LN_W4_BLOCK = {1024: (1, None)}
+
 
 def fwd_block_choice(block_n: int, num_chunks: int, tail: int, elem_bytes: int, x_bytes: int,
                      weight_bytes: int, dropout: bool, x1: bool,
-                     device: torch.device):  # fmt: skip
+                     device: torch.device, plain: str = ""):  # fmt: skip
     """(warps, register cap or None) of one-block forward rows that have choices of their own,
     in place of fwd_num_warps and fwd_maxnreg; None elsewhere. A 16K-column row (``block_n``,
     no ``tail``) whose widest element is 4 bytes, with ``dropout`` or ``x1``: from
     FWD_WIDE_ELEM_BLOCK by ``x_bytes``, the bytes of x (on NVIDIA GPUs only). The x1 path's
     16-bit rows with 4-byte weights (``weight_bytes``): FWD_X1_W4_BLOCK by the padded block
-    (its register cap on NVIDIA GPUs only, which take caps)."""
+    (its register cap on NVIDIA GPUs only, which take caps); a LayerNorm of x alone
+    (``plain``) of such rows: FWD_LN_W4_BLOCK, one block without a tail."""
     if num_chunks != 1:
         return None
     if elem_bytes == 4:
         if block_n != 16384 or tail or not _nvidia(device):
             return None
         return FWD_WIDE_ELEM_BLOCK.get((x_bytes, dropout, x1))
-    if not x1 or elem_bytes != 2 or weight_bytes != 4:
+    if elem_bytes != 2 or weight_bytes != 4:
+        return None
+    if plain == "ln" and not tail:
+        return FWD_LN_W4_BLOCK.get(block_n)
+    if not x1:
         return None
     own = FWD_X1_W4_BLOCK.get((block_n, tail > 0))
     if own is None:

@@ -225,18 +225,37 @@ def _cancels(squares, m2):
 
 
 @triton.jit
+def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr):
+    """One row chunk's weight and bias as stored (the weight again where there is no bias)."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0)
+    b = w
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0)
+    return w, b
+
+
+@triton.jit
+def _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl.constexpr,
+                         ZERO_CENTERED_WEIGHT: tl.constexpr):  # fmt: skip
+    """_affine_store with the weight and bias already loaded (_load_params)."""
+    w = w.to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w += 1.0
+    y = xhat * w
+    if HAS_BIAS:
+        y += b.to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
+
+
+@triton.jit
 def _affine_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row,
     HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     """y = xhat * w + b for one row chunk, stored in Y's dtype."""
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED_WEIGHT:
-        w += 1.0
-    y = xhat * w
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
+    w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
+    _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
+                         ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -254,6 +273,34 @@ def _normalize_store(
 
 
 @triton.jit
+def _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
+                 HAS_B1: tl.constexpr):  # fmt: skip
+    """The weights and biases of one row chunk as stored (_load_affine), loaded ahead of the
+    row's statistics (config.fwd_early_params); the second pair repeats the first where there
+    is no second weight."""
+    w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
+    w1, b1 = w, b
+    if HAS_W1:
+        w1, b1 = _load_affine(cols, col_mask, W1, B1, HAS_B1)
+    return w, b, w1, b1
+
+
+@triton.jit
+def _normalize_store_loaded(
+    xhat, cols, col_mask, row, params, Y, stride_y_row, Y1, stride_y1_row,
+    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """_normalize_store with the weights and biases already loaded (``params``: _load_params)."""
+    w, b, w1, b1 = params
+    _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
+                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        _affine_store_loaded(xhat, cols, col_mask, row, w1, b1, Y1, stride_y1_row, HAS_B1,
+                             ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
 def _fwd_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
     MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
@@ -263,7 +310,7 @@ def _fwd_row(
     HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, EARLY_PARAMS: tl.constexpr,
 ):  # fmt: skip
     """The forward of one row held whole in registers (NUM_CHUNKS == 1): columns
     ``[0, BLOCK_N)`` and, with TAIL_N > 0, ``[BLOCK_N, BLOCK_N + TAIL_N)`` as a second block
@@ -277,6 +324,8 @@ def _fwd_row(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
+    if EARLY_PARAMS:  # in flight beside the row's loads, not after its statistics
+        params = _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     # Both blocks are formed before either is stored: storing the first block's stream before
     # the second block's loads cost 4-5 points of copy with dropout (bench/NOTES.md #29).
     if TAIL_N > 0:
@@ -288,6 +337,8 @@ def _fwd_row(
             dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
             HAS_DROPOUT, STORE_MASK,
         )  # fmt: skip
+        if EARLY_PARAMS:
+            tparams = _load_params(tcols, tmask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     if STORE_RESIDUAL_OUT:
         # Normalise the stream as stored (rounded to its dtype): the backward and the
         # next layer see that tensor; statistics of the unrounded sum would not match.
@@ -332,14 +383,24 @@ def _fwd_row(
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
-    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                     ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if TAIL_N > 0:
-        that = t * rstd
-        _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+    if EARLY_PARAMS:
+        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
+                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                                ZERO_CENTERED_WEIGHT)  # fmt: skip
+    else:
+        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                          stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
                          ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if TAIL_N > 0:
+        that = t * rstd
+        if EARLY_PARAMS:
+            _normalize_store_loaded(that, tcols, tmask, row, tparams, Y, stride_y_row, Y1,
+                                    stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
+        else:
+            _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                             stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                             ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -352,6 +413,7 @@ def _fwd_rows(
     HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    EARLY_PARAMS: tl.constexpr,
 ):  # fmt: skip
     """The forward of ROWS narrow rows from ``row0`` as one (ROWS, BLOCK_N) tile: every load of
     the tile is issued before the first reduction (config.fwd_rows_per_program). Tile rows past
@@ -367,6 +429,8 @@ def _fwd_rows(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK, ROWS,
     )  # fmt: skip
+    if EARLY_PARAMS:  # in flight beside the tile's loads (as _fwd_row)
+        params = _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     if STORE_RESIDUAL_OUT:
         tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
         s = s.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)  # as stored (see _fwd_row)
@@ -377,9 +441,14 @@ def _fwd_rows(
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
-    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                     ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if EARLY_PARAMS:
+        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
+                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                                ZERO_CENTERED_WEIGHT)  # fmt: skip
+    else:
+        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                         ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -717,6 +786,7 @@ def _fused_norm_fwd_kernel(
     EVICT_SECOND_SWEEP: tl.constexpr,  # loads and of the second's ("": default)
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
     WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
+    EARLY_PARAMS: tl.constexpr,  # one-block rows: weights loaded ahead (config.fwd_early_params)
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_N)
@@ -743,7 +813,7 @@ def _fused_norm_fwd_kernel(
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
                 TAIL_N, IS_RMS_NORM, JOINT_STATS, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
                 HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
-                ZERO_CENTERED_WEIGHT,
+                ZERO_CENTERED_WEIGHT, EARLY_PARAMS,
             )  # fmt: skip
         else:  # narrow rows, several per program as one tile (one block: TAIL_N == 0)
             _fwd_rows(
@@ -752,7 +822,7 @@ def _fused_norm_fwd_kernel(
                 stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, BLOCK_N,
                 ROWS_PER_PROGRAM, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1,
                 HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT,
-                ZERO_CENTERED_WEIGHT,
+                ZERO_CENTERED_WEIGHT, EARLY_PARAMS,
             )  # fmt: skip
     else:
         row = row0

@@ -359,12 +359,14 @@ def _fwd_plan(
             plain, split, kind if hold else "", dropout_2k, weight_bytes
         )  # fmt: skip
     else:
-        block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(n, elem_bytes, plain)
+        block_n, num_chunks, tail, rows, lane = config.fwd_block_layout(
+            n, elem_bytes, plain, weight_bytes
+        )
         kernel_block = block_n // 2 if tail else block_n  # two blocks: config.block_tail
         # rows with warps and a register cap of their own (config.fwd_block_choice)
         own = config.fwd_block_choice(
             block_n, num_chunks, tail, elem_bytes, x_dtype.itemsize, weight_bytes, dropout,
-            has_x1, dev,
+            has_x1, dev, plain,
         )  # fmt: skip
         num_warps = own[0] if own else config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
@@ -395,6 +397,9 @@ def _fwd_plan(
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
+        EARLY_PARAMS=config.fwd_early_params(
+            plain, n, block_n, tail, rows, num_chunks, split, elem_bytes, weight_bytes
+        ),
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).

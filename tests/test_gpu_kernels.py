@@ -127,6 +127,12 @@ MATRIX = (
     # ... the x1 path's 16K forward block under a cap of 96 (bench/NOTES.md #62)
     + [("x1_w1_w32", 16384, FP16)]
     + [("drop_add_ln_prenorm_w32", n, BF16) for n in (16384, 65536)]
+    # ... LayerNorm's one 1024-column block on 1 warp and 16K rows in 2K lane-summed chunks
+    # beside fp32 weights, and its 4096-column row loading weights ahead (bench/NOTES.md
+    # #100; 4096 bf16 in ALL_N)
+    + [("ln_w32", n, BF16) for n in (1024, 16384, 16000)]
+    + [("ln_w32", 1024, FP16)]
+    + [("ln", 4096, FP16)]
 )
 
 
@@ -155,8 +161,8 @@ def test_gpu_matches_reference(flags, n, dtype):
 
 
 @pytest.mark.parametrize(
-    "n, dtype", [(1024, FP32), (12288, BF16), (16384, BF16), (16384, FP32), (65536, FP32),
-                 (65536, FP16), (131072, FP16), (262144, BF16)],
+    "n, dtype", [(1024, FP32), (4096, BF16), (12288, BF16), (16384, BF16), (16384, FP32),
+                 (65536, FP32), (65536, FP16), (131072, FP16), (262144, BF16)],
 )  # fmt: skip
 @pytest.mark.parametrize("offset", [2.6, 2.9])
 def test_gpu_layer_norm_joint_statistics(n, dtype, offset):
@@ -164,7 +170,7 @@ def test_gpu_layer_norm_joint_statistics(n, dtype, offset):
     2.6 standard deviations off zero the joint form is kept with the most cancellation it
     allows (sum(s^2) = 7.8 M2), at 2.9 the kernels recompute M2 over s - mean; one whole
     block, two blocks (12288), split rows, and the 16K 16-bit block, which keeps the two-pass
-    statistics (config.fwd_joint_stats)."""
+    statistics (config.fwd_joint_stats); 4096 loads its weights ahead (FWD_EARLY_PARAMS)."""
     case = Case(shape=(_rows(n), n), dtype=dtype, offset=offset, seed=11)
     check_case(case, "fn", device="cuda")
 

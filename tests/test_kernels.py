@@ -53,6 +53,7 @@ EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
 EXAMPLES_LANE = 50
+EXAMPLES_EARLY = 40
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -275,6 +276,32 @@ def test_lane_chunked_rows_unrolled(arg):
             runs.append({k: v.detach() for k, v in outs.items()})
     for name in runs[0]:
         assert_bitwise_equal(name, runs[0][name], runs[1][name])
+
+
+EARLY_LAYOUTS = {
+    "tiles": contextlib.nullcontext,
+    "one-row": one_row_per_program,
+    "two-blocks": lambda: tail_blocks(True),
+}
+
+
+@settings(max_examples=EXAMPLES_EARLY)
+@given(case=cases("fn", min_n=2), layout=st.sampled_from(list(EARLY_LAYOUTS)))
+def test_early_params_match_reference(case, layout):
+    """One-block rows (and tiles of narrow rows, and two blocks) that load their weights and
+    biases ahead of the statistics (config.fwd_early_params, kernels._load_params) match the
+    reference, every flag drawn, and give bitwise the outputs of the loads after them: only
+    the order of the loads moves."""
+    count_example("test_early_params_match_reference")
+    t = make_inputs(case)
+    with EARLY_LAYOUTS[layout]():
+        with patched_config(fwd_early_params=lambda *args: True):
+            early = check_case(case, "fn", t=t)[0]
+        with patched_config(fwd_early_params=lambda *args: False), torch.no_grad():
+            torch.manual_seed(case.seed)
+            late = call_fused(case, t)[0]
+    for name in late:
+        assert_bitwise_equal(name, early[name].detach(), late[name])
 
 
 @triton.jit

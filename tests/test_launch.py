@@ -667,6 +667,21 @@ def test_fp32_weights_launch_rules(monkeypatch, gpu_rules):
     assert plan(24576, bf16, 4)[:3] == (6, 1, 2)
     assert plan(32768, bf16, 2)[0] == 1  # 16-bit weights: lane-summed chunks
     assert plan(16384, bf16, 4)[0] == 1  # 16K: lane-summed chunks either way
+    # ... of 2K columns beside 4-byte weights, 4K beside 16-bit ones (bench/NOTES.md #100);
+    # 16000 by its padded width
+    for n in (16384, 16000):
+        for wb, chunk in ((4, 2048), (2, 4096)):
+            p = plan(n, bf16, wb)
+            assert (p.constexprs["BLOCK_N"], p.num_warps) == (chunk, 16), (n, wb)
+            assert p.constexprs["NUM_CHUNKS"] == -(-n // chunk)
+    assert config.fwd_lane_chunk(16384, 2, "rms", 4) == config.fwd_lane_chunk(16384, 2, "rms")
+    # LayerNorm of x alone at 1024 columns: 1 warp beside 4-byte weights, 2 beside 16-bit ones
+    assert plan(1024, bf16, 4)[1:4] == (1, 1, None)
+    assert plan(1024, torch.float16, 4)[1:4] == (1, 1, None)
+    assert plan(1024, bf16, 2)[1:4] == (1, 2, None)
+    assert plan(1024, bf16, 4, rms=True)[2] == plan(1024, bf16, 2, rms=True)[2] == 2
+    assert plan(2048, bf16, 4)[2] == plan(2048, bf16, 2)[2] == 2
+    assert plan(1024, fp32, 4)[2] == 2  # fp32 rows: unchanged
     assert plan(16384, fp32, 4)[0] == 1  # fp32 rows (4-byte weights as always): unchanged
     # held RMSNorm in 16 parts: 2 warps with 4-byte weights, 4 with 16-bit ones
     assert plan(65536, bf16, 4, rms=True)[:4:2] == (16, 2)
@@ -688,6 +703,29 @@ def test_fp32_weights_launch_rules(monkeypatch, gpu_rules):
     assert config.bwd_launch_layout(32768, 2, 4, False, False, gpu, w4=True, x1=True)[-1] is False
     assert config.bwd_launch_layout(32768, 2, 1, False, False, gpu, w4=True)[-1] is True
     assert config.bwd_launch_layout(32768, 4, 2, True, False, gpu, w4=True)[-1] is True
+
+
+def test_early_params_rule(gpu_rules):
+    """One-block forward rows that load their weights and biases ahead of the statistics
+    (config.FWD_EARLY_PARAMS, bench/NOTES.md #100): LayerNorm of x alone of 4096 16-bit
+    columns beside 16-bit weights; not beside 4-byte weights, nor RMSNorm, rows with a
+    stream, a partly masked block (4000), two blocks, other widths or fp32 rows."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def early(*args, **kwargs):
+        return _gpu_fwd_plan(*args, **kwargs).constexprs["EARLY_PARAMS"]
+
+    assert early(4096, bf16) and early(4096, fp16)
+    assert not early(4000, bf16)  # its 4096 block partly masked
+    assert not early(4096, bf16, wb=4)
+    assert not early(4096, bf16, rms=True)
+    assert not early(4096, bf16, bf16) and not early(4096, bf16, bf16, dropout=True)
+    assert not early(4096, bf16, bf16, x1=True)
+    assert not early(3072, bf16)  # two blocks: 2048 + 1024
+    for n in (512, 1024, 2048, 8192, 16384, 65536):
+        assert not early(n, bf16), n
+    assert not early(2048, fp32)  # fp32 rows of 4096 * 2 bytes: the 2048 block
+    assert not early(4096, fp32)
 
 
 def test_split_rows_measured_in_wider_parts(gpu_rules):
