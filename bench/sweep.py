@@ -359,6 +359,9 @@ def main():
             # An explicit chunk size is keyed by the width itself, which wins over two blocks
             # and over the padded width's entry (config.fwd_block_layout); "off" drops both.
             lchunk = int(lchunk) if lchunk is not None else None
+            if lchunk:  # the entries for 4-byte weights too (looked up first)
+                for width in (n, config.next_power_of_2(n)):
+                    config.FWD_LANE_CHUNKS.pop((workload, width, 4), None)
             if lchunk == -1:
                 config.FWD_LANE_CHUNKS.pop((workload, n), None)
                 config.FWD_LANE_CHUNKS.pop((workload, config.next_power_of_2(n)), None)

@@ -374,8 +374,8 @@ FWD_X1_W4_BLOCK = {(8192, False): (16, None), (8192, True): (16, None), (16384, 
 
 # LayerNorm of x alone in one block (no tail) of 16-bit columns with 4-byte weights, by the
 # padded block: (warps, register cap). Bench-style A/B (H200, bf16 x, fp32 weights, 2026-11-26,
-# bench/NOTES.md #100), three rounds in each of two calls: 1024 columns on 1 warp instead of 2
-# 137.6-138.2 -> 135.1-135.8 us (94.2-94.7 -> 95.9-96.4% of copy; torch.compile's persistent
+# bench/NOTES.md #100), three rounds in each of five calls: 1024 columns on 1 warp instead of 2
+# 137.6-138.3 -> 135.1-135.8 us (93.3-94.7 -> 95.4-96.4% of copy; torch.compile's persistent
 # reduction runs one warp a row too); with bf16 weights even (96.5-96.9 -> 96.5-97.0%).
 FWD_LN_W4_BLOCK = {1024: (1, None)}
 

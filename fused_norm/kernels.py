@@ -237,7 +237,7 @@ def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr):
 @triton.jit
 def _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl.constexpr,
                          ZERO_CENTERED_WEIGHT: tl.constexpr):  # fmt: skip
-    """_affine_store with the weight and bias already loaded (_load_params)."""
+    """_affine_store with the weight and bias already loaded (_load_affine, _load_params)."""
     w = w.to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w += 1.0
@@ -301,6 +301,24 @@ def _normalize_store_loaded(
 
 
 @triton.jit
+def _store_normalized(
+    xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
+    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, EARLY_PARAMS: tl.constexpr,
+):  # fmt: skip
+    """The outputs of one held row block: from ``params``, the weights loaded ahead
+    (EARLY_PARAMS: _load_params), or from weights loaded here (``params`` None)."""
+    if EARLY_PARAMS:
+        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
+                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                                ZERO_CENTERED_WEIGHT)  # fmt: skip
+    else:
+        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
+                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+
+
+@triton.jit
 def _fwd_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
     MEAN, RSTD, row, cols, stride_x_row, stride_y_row, stride_res_row, stride_x1_row,
@@ -324,6 +342,7 @@ def _fwd_row(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK,
     )  # fmt: skip
+    params = None
     if EARLY_PARAMS:  # in flight beside the row's loads, not after its statistics
         params = _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     # Both blocks are formed before either is stored: storing the first block's stream before
@@ -337,6 +356,7 @@ def _fwd_row(
             dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
             HAS_DROPOUT, STORE_MASK,
         )  # fmt: skip
+        tparams = None
         if EARLY_PARAMS:
             tparams = _load_params(tcols, tmask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     if STORE_RESIDUAL_OUT:
@@ -383,24 +403,14 @@ def _fwd_row(
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
-    if EARLY_PARAMS:
-        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
-                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                                ZERO_CENTERED_WEIGHT)  # fmt: skip
-    else:
-        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+    _store_normalized(xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1,
+                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                      EARLY_PARAMS)  # fmt: skip
     if TAIL_N > 0:
         that = t * rstd
-        if EARLY_PARAMS:
-            _normalize_store_loaded(that, tcols, tmask, row, tparams, Y, stride_y_row, Y1,
-                                    stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                                    ZERO_CENTERED_WEIGHT)  # fmt: skip
-        else:
-            _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                             stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                             ZERO_CENTERED_WEIGHT)  # fmt: skip
+        _store_normalized(that, tcols, tmask, row, tparams, W, B, Y, stride_y_row, W1, B1, Y1,
+                          stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                          EARLY_PARAMS)  # fmt: skip
 
 
 @triton.jit
@@ -429,6 +439,7 @@ def _fwd_rows(
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
         HAS_DROPOUT, STORE_MASK, ROWS,
     )  # fmt: skip
+    params = None
     if EARLY_PARAMS:  # in flight beside the tile's loads (as _fwd_row)
         params = _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS, HAS_W1, HAS_B1)
     if STORE_RESIDUAL_OUT:
@@ -441,14 +452,9 @@ def _fwd_rows(
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
-    if EARLY_PARAMS:
-        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
-                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                                ZERO_CENTERED_WEIGHT)  # fmt: skip
-    else:
-        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+    _store_normalized(xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1,
+                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                      EARLY_PARAMS)  # fmt: skip
 
 
 @triton.jit
