@@ -268,6 +268,25 @@ def fwd_early_params(plain: str, n_cols: int, block_n: int, tail: int, rows: int
     return elem_bytes == weight_bytes == 2 and (plain, n_cols) in FWD_EARLY_PARAMS
 
 
+# One-block forward rows (one row a program, or a tile of narrow rows) whose width fills
+# their block(s) exactly take it as a constant (constexpr FULL_ROW), so that the compiler
+# folds their column masks away: offline (triton 3.6, sm_90) LayerNorm 1024 / 4096 / 8192
+# 376 / 608 / 624 -> 336 / 520 / 536 SASS instructions, dropout + add + LayerNorm 4096 720 ->
+# 672, the registers of the plans unchanged (on 1 warp LayerNorm 1024 71 -> 64). Bench-style
+# A/B (H200, bf16, 2026-11-26, bench/NOTES.md #101), three rounds: dropout + add + LayerNorm
+# 1024 268.3 -> 258.9 us (96.4 -> 99.9% of copy), LayerNorm 1024 / 4096 133.7 / 133.6 ->
+# 132.8 / 132.4 us (+0.7 / +0.8 points); even or within a round's spread elsewhere (LayerNorm
+# 2048 and with fp32 weights 1024, RMSNorm 1024, add + RMSNorm 4096, the x1 path 1024;
+# dropout + add + LayerNorm 4096 -0.5 and LayerNorm 8192 -0.4 points).
+FWD_FULL_ROWS = True
+
+
+def fwd_full_row(n_cols: int, kernel_block: int, tail: int, num_chunks: int, split: int) -> bool:
+    """Whether a forward row of ``n_cols`` columns fills its one block (``kernel_block``, and
+    ``tail`` where held as two) exactly (FWD_FULL_ROWS)."""
+    return FWD_FULL_ROWS and split == 1 and num_chunks == 1 and n_cols == kernel_block + tail
+
+
 def fwd_num_warps(
     block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0, lane=None
 ) -> int:

@@ -793,8 +793,11 @@ def _fused_norm_fwd_kernel(
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
     WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
     EARLY_PARAMS: tl.constexpr,  # one-block rows: weights loaded ahead (config.fwd_early_params)
+    FULL_ROW: tl.constexpr,  # one-block rows that fill their block(s): N == BLOCK_N + TAIL_N
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
+    if FULL_ROW:  # the width as a constant: the column masks fold away (config.fwd_full_row)
+        N = BLOCK_N + TAIL_N
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
     seeds_out = SEEDS

@@ -400,6 +400,7 @@ def _fwd_plan(
         EARLY_PARAMS=config.fwd_early_params(
             plain, n, block_n, tail, rows, num_chunks, split, elem_bytes, weight_bytes
         ),
+        FULL_ROW=config.fwd_full_row(n, kernel_block, tail, num_chunks, split),
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).

@@ -54,6 +54,7 @@ EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
 EXAMPLES_LANE = 50
 EXAMPLES_EARLY = 40
+EXAMPLES_FULL_ROWS = 30
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -302,6 +303,27 @@ def test_early_params_match_reference(case, layout):
             late = call_fused(case, t)[0]
     for name in late:
         assert_bitwise_equal(name, early[name].detach(), late[name])
+
+
+@settings(max_examples=EXAMPLES_FULL_ROWS)
+@given(case=cases("fn", min_n=2), layout=st.sampled_from(list(EARLY_LAYOUTS)))
+@example(case=Case(shape=(5, 256), dtype=torch.bfloat16, seed=3), layout="one-row")
+@example(case=Case(shape=(3, 320), dtype=torch.float16, residual_dtype=torch.float32, seed=4),
+         layout="two-blocks")  # fmt: skip
+@example(case=Case(shape=(7, 64), dtype=torch.float32, has_x1=True, seed=5), layout="tiles")
+def test_full_rows_match_masked_rows(case, layout):
+    """Rows whose width fills their block(s) take it as a constant (config.fwd_full_row,
+    constexpr FULL_ROW: the column masks fold away) and match the reference, every flag drawn;
+    their outputs are bitwise those of the same rows taking the width as a runtime value."""
+    count_example("test_full_rows_match_masked_rows")
+    t = make_inputs(case)
+    with EARLY_LAYOUTS[layout]():
+        full = check_case(case, "fn", t=t)[0]
+        with patched_config(FWD_FULL_ROWS=False), torch.no_grad():
+            torch.manual_seed(case.seed)
+            masked = call_fused(case, t)[0]
+    for name in masked:
+        assert_bitwise_equal(name, full[name].detach(), masked[name])
 
 
 @triton.jit

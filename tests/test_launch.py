@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE
+from _helpers import DEVICE, patched_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -527,7 +527,6 @@ def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     bwd_maxnreg) instead of two blocks; fp32 rows and dropout keep two blocks where they had
     them. RMSNorm of x alone holds its two blocks on 8 warps, where the second is at most a
     quarter of the first."""
-    from _helpers import patched_config
 
     from fused_norm import config
 
@@ -726,6 +725,25 @@ def test_early_params_rule(gpu_rules):
         assert not early(n, bf16), n
     assert not early(2048, fp32)  # fp32 rows of 4096 * 2 bytes: the 2048 block
     assert not early(4096, fp32)
+
+
+def test_full_row_rule(gpu_rules):
+    """One-block forward rows that fill their block(s) exactly take the width as a constant
+    (config.fwd_full_row, bench/NOTES.md #101): one block, two blocks (5120 = 4096 + 1024), a
+    tile of narrow rows; not a partly masked block, chunked or split rows, or with the switch
+    off."""
+    bf16 = torch.bfloat16
+
+    def full(*args, **kwargs):
+        return _gpu_fwd_plan(*args, **kwargs).constexprs["FULL_ROW"]
+
+    for n in (256, 1024, 4096, 5120, 8192):
+        assert full(n, bf16) and full(n, bf16, bf16, dropout=True), n
+    assert full(1024, torch.float32, x1=True)
+    for n in (1000, 4000, 3000, 16384, 65536):
+        assert not full(n, bf16), n  # masked, chunked (16K) or split (64K)
+    with patched_config(FWD_FULL_ROWS=False):
+        assert not full(1024, bf16)
 
 
 def test_split_rows_measured_in_wider_parts(gpu_rules):
@@ -997,7 +1015,6 @@ def test_launch_plans_are_kept_per_configuration_until_a_setting_changes(monkeyp
 def test_launch_plan_follows_a_setting_changed_between_calls():
     """A setting changed between two calls of one configuration takes effect on the second
     (here the forward's rows per program, which the kernel receives as a constexpr)."""
-    from _helpers import patched_config
 
     from fused_norm import config
 
