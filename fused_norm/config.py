@@ -257,13 +257,13 @@ FWD_CHUNK_EVICT = ("evict_last", "evict_first")
 FWD_EARLY_PARAMS = {("ln", 4096)}
 
 
-def fwd_early_params(plain: str, n_cols: int, block_n: int, tail: int, rows: int,
-                     num_chunks: int, split: int, elem_bytes: int,
-                     weight_bytes: int) -> bool:  # fmt: skip
+def fwd_early_params(plain: str, n_cols: int, fills: bool, tail: int, rows: int,
+                     elem_bytes: int, weight_bytes: int) -> bool:  # fmt: skip
     """Whether a forward row of ``n_cols`` columns loads its weights and biases ahead
-    (FWD_EARLY_PARAMS): one block of exactly its width (``block_n``), rows of 16-bit
-    elements (``elem_bytes``, the widest row tensor's) and weights."""
-    if split > 1 or num_chunks > 1 or tail or rows > 1 or n_cols != block_n:
+    (FWD_EARLY_PARAMS): one row a program in one block (no ``tail``) that it ``fills``
+    (fwd_fills_block), rows of 16-bit elements (``elem_bytes``, the widest row tensor's) and
+    weights."""
+    if not fills or tail or rows > 1:
         return False
     return elem_bytes == weight_bytes == 2 and (plain, n_cols) in FWD_EARLY_PARAMS
 
@@ -281,10 +281,13 @@ def fwd_early_params(plain: str, n_cols: int, block_n: int, tail: int, rows: int
 FWD_FULL_ROWS = True
 
 
-def fwd_full_row(n_cols: int, kernel_block: int, tail: int, num_chunks: int, split: int) -> bool:
-    """Whether a forward row of ``n_cols`` columns fills its one block (``kernel_block``, and
-    ``tail`` where held as two) exactly (FWD_FULL_ROWS)."""
-    return FWD_FULL_ROWS and split == 1 and num_chunks == 1 and n_cols == kernel_block + tail
+def fwd_fills_block(
+    n_cols: int, kernel_block: int, tail: int, num_chunks: int, split: int
+) -> bool:  # fmt: skip
+    """Whether a forward row of ``n_cols`` columns, not split or chunked, fills its one block
+    (``kernel_block``, and ``tail`` where held as two) exactly: no masked column. Such rows
+    take their width as a constant where FWD_FULL_ROWS, and FWD_EARLY_PARAMS' rows are such."""
+    return split == 1 and num_chunks == 1 and n_cols == kernel_block + tail
 
 
 def fwd_num_warps(

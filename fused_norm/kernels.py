@@ -235,44 +235,6 @@ def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl.constexpr,
-                         ZERO_CENTERED_WEIGHT: tl.constexpr):  # fmt: skip
-    """_affine_store with the weight and bias already loaded (_load_affine, _load_params)."""
-    w = w.to(tl.float32)
-    if ZERO_CENTERED_WEIGHT:
-        w += 1.0
-    y = xhat * w
-    if HAS_BIAS:
-        y += b.to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
-
-
-@triton.jit
-def _affine_store(
-    xhat, cols, col_mask, row, W, B, Y, stride_y_row,
-    HAS_BIAS: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
-):  # fmt: skip
-    """y = xhat * w + b for one row chunk, stored in Y's dtype."""
-    w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
-    _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
-
-
-@triton.jit
-def _normalize_store(
-    xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
-    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
-):  # fmt: skip
-    """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1)."""
-    _affine_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row,
-                  HAS_BIAS, ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if HAS_W1:
-        _affine_store(xhat, cols, col_mask, row, W1, B1, Y1, stride_y1_row,
-                      HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
-
-
-@triton.jit
 def _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr,
                  HAS_B1: tl.constexpr):  # fmt: skip
     """The weights and biases of one row chunk as stored (_load_affine), loaded ahead of the
@@ -286,36 +248,38 @@ def _load_params(cols, col_mask, W, B, W1, B1, HAS_BIAS: tl.constexpr, HAS_W1: t
 
 
 @triton.jit
-def _normalize_store_loaded(
-    xhat, cols, col_mask, row, params, Y, stride_y_row, Y1, stride_y1_row,
-    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr,
-):  # fmt: skip
-    """_normalize_store with the weights and biases already loaded (``params``: _load_params)."""
-    w, b, w1, b1 = params
-    _affine_store_loaded(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
-    if HAS_W1:
-        _affine_store_loaded(xhat, cols, col_mask, row, w1, b1, Y1, stride_y1_row, HAS_B1,
-                             ZERO_CENTERED_WEIGHT)  # fmt: skip
+def _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl.constexpr,
+                  ZERO_CENTERED_WEIGHT: tl.constexpr):  # fmt: skip
+    """y = xhat * w + b for one row chunk (w, b as loaded), stored in Y's dtype."""
+    w = w.to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w += 1.0
+    y = xhat * w
+    if HAS_BIAS:
+        y += b.to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y, mask=col_mask)
 
 
 @triton.jit
-def _store_normalized(
-    xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
+def _normalize_store(
+    xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, EARLY_PARAMS: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, params=None, LOADED: tl.constexpr = False,
 ):  # fmt: skip
-    """The outputs of one held row block: from ``params``, the weights loaded ahead
-    (EARLY_PARAMS: _load_params), or from weights loaded here (``params`` None)."""
-    if EARLY_PARAMS:
-        _normalize_store_loaded(xhat, cols, col_mask, row, params, Y, stride_y_row, Y1,
-                                stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                                ZERO_CENTERED_WEIGHT)  # fmt: skip
+    """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1). The
+    weights and biases come from ``params`` where LOADED (_load_params: loaded ahead of the
+    statistics, config.fwd_early_params), else each pair is loaded just before its output."""
+    if LOADED:
+        w, b, w1, b1 = params
     else:
-        _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+        w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
+    _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
+                  ZERO_CENTERED_WEIGHT)  # fmt: skip
+    if HAS_W1:
+        if not LOADED:
+            w1, b1 = _load_affine(cols, col_mask, W1, B1, HAS_B1)
+        _affine_store(xhat, cols, col_mask, row, w1, b1, Y1, stride_y1_row, HAS_B1,
+                      ZERO_CENTERED_WEIGHT)  # fmt: skip
 
 
 @triton.jit
@@ -403,14 +367,14 @@ def _fwd_row(
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
-    _store_normalized(xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1,
-                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
-                      EARLY_PARAMS)  # fmt: skip
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, params,
+                     EARLY_PARAMS)  # fmt: skip
     if TAIL_N > 0:
         that = t * rstd
-        _store_normalized(that, tcols, tmask, row, tparams, W, B, Y, stride_y_row, W1, B1, Y1,
-                          stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
-                          EARLY_PARAMS)  # fmt: skip
+        _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, tparams,
+                         EARLY_PARAMS)  # fmt: skip
 
 
 @triton.jit
@@ -452,9 +416,9 @@ def _fwd_rows(
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
-    _store_normalized(xhat, cols, col_mask, row, params, W, B, Y, stride_y_row, W1, B1, Y1,
-                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
-                      EARLY_PARAMS)  # fmt: skip
+    _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, params,
+                     EARLY_PARAMS)  # fmt: skip
 
 
 @triton.jit
@@ -796,7 +760,7 @@ def _fused_norm_fwd_kernel(
     FULL_ROW: tl.constexpr,  # one-block rows that fill their block(s): N == BLOCK_N + TAIL_N
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
-    if FULL_ROW:  # the width as a constant: the column masks fold away (config.fwd_full_row)
+    if FULL_ROW:  # the width as a constant: the column masks fold away (config.FWD_FULL_ROWS)
         N = BLOCK_N + TAIL_N
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM

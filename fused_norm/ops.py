@@ -370,6 +370,7 @@ def _fwd_plan(
         )  # fmt: skip
         num_warps = own[0] if own else config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
+    fills = config.fwd_fills_block(n, kernel_block, tail, num_chunks, split)
     constexprs = dict(
         BLOCK_N=kernel_block,
         TAIL_N=tail,
@@ -397,10 +398,8 @@ def _fwd_plan(
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
-        EARLY_PARAMS=config.fwd_early_params(
-            plain, n, block_n, tail, rows, num_chunks, split, elem_bytes, weight_bytes
-        ),
-        FULL_ROW=config.fwd_full_row(n, kernel_block, tail, num_chunks, split),
+        EARLY_PARAMS=config.fwd_early_params(plain, n, fills, tail, rows, elem_bytes, weight_bytes),
+        FULL_ROW=config.FWD_FULL_ROWS and fills,  # the width as a constant: no masks
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).

@@ -312,9 +312,10 @@ def test_early_params_match_reference(case, layout):
          layout="two-blocks")  # fmt: skip
 @example(case=Case(shape=(7, 64), dtype=torch.float32, has_x1=True, seed=5), layout="tiles")
 def test_full_rows_match_masked_rows(case, layout):
-    """Rows whose width fills their block(s) take it as a constant (config.fwd_full_row,
-    constexpr FULL_ROW: the column masks fold away) and match the reference, every flag drawn;
-    their outputs are bitwise those of the same rows taking the width as a runtime value."""
+    """Rows whose width fills their block(s) take it as a constant (config.fwd_fills_block,
+    FWD_FULL_ROWS, constexpr FULL_ROW: the column masks fold away) and match the reference,
+    every flag drawn; their outputs are bitwise those of the same rows taking the width as a
+    runtime value."""
     count_example("test_full_rows_match_masked_rows")
     t = make_inputs(case)
     with EARLY_LAYOUTS[layout]():

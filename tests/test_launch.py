@@ -729,9 +729,9 @@ def test_early_params_rule(gpu_rules):
 
 def test_full_row_rule(gpu_rules):
     """One-block forward rows that fill their block(s) exactly take the width as a constant
-    (config.fwd_full_row, bench/NOTES.md #101): one block, two blocks (5120 = 4096 + 1024), a
-    tile of narrow rows; not a partly masked block, chunked or split rows, or with the switch
-    off."""
+    (config.fwd_fills_block, FWD_FULL_ROWS, bench/NOTES.md #101): one block, two blocks (5120
+    = 4096 + 1024), a tile of narrow rows; not a partly masked block, chunked or split rows,
+    or with the switch off."""
     bf16 = torch.bfloat16
 
     def full(*args, **kwargs):
