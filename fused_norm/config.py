@@ -290,6 +290,31 @@ def fwd_fills_block(
     return split == 1 and num_chunks == 1 and n_cols == kernel_block + tail
 
 
+# Chunked forward rows (NUM_CHUNKS > 1) whose width is a whole number of their chunks take it
+# as a constant too (FULL_ROW; kernels._col_mask folds the chunks' masks): offline (triton
+# 3.6, sm_90) LayerNorm 16384 / 32768 bf16 920 -> 784 SASS instructions, no predicated loads
+# left, the same registers. Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #102), four
+# rounds: LayerNorm bf16 16384 137.8 -> 133.9 us (94.3 -> 97.0% of copy), 32768 142.6 ->
+# 135.9 us (91.1 -> 95.6%), with fp32 weights 16384 142.2 -> 141.0 us; RMSNorm 8192-32768
+# even to +0.4 points. Split rows keep their masks: folded, they measured -0.7 to -6.7 points
+# on 16-bit LayerNorm, RMSNorm and the x1 path (LayerNorm 256K bf16 81.9 -> 76.9%, 62 -> 78
+# registers offline) and fp32 LayerNorm 32K (-1.9), +0.2 to +2.3 on add + RMSNorm 256K (bf16,
+# fp32), dropout + add + LayerNorm 64K (fp32 stream) and LayerNorm 64K with fp32 weights.
+FWD_FULL_CHUNKED_ROWS = True
+
+
+def fwd_full_row(n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool) -> bool:
+    """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
+    ``fills`` its one block (fwd_fills_block), or a chunked row of ``num_chunks`` whole chunks
+    (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part, and fills is False).
+    FWD_FULL_ROWS switches both off."""
+    if not FWD_FULL_ROWS:
+        return False
+    if num_chunks == 1:
+        return fills
+    return FWD_FULL_CHUNKED_ROWS and not tail and n_cols == num_chunks * kernel_block
+
+
 def fwd_num_warps(
     block_n: int, num_chunks: int = 1, plain: str = "", tail: int = 0, lane=None
 ) -> int:

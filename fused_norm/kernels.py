@@ -678,6 +678,18 @@ def _fwd_split_row(
 
 
 @triton.jit
+def _col_mask(ccols, cols, N, BLOCK_N: tl.constexpr, FULL_ROW: tl.constexpr):
+    """The column mask of a chunk (``ccols``; ``cols`` the same columns counted from the
+    chunk's first): with FULL_ROW (N a multiple of BLOCK_N) every column is in the row and
+    the mask is one the compiler folds away (an arange below its own length), which
+    ``ccols < N`` with the chunk's index a loop variable is not."""
+    if FULL_ROW:
+        return cols < BLOCK_N
+    else:
+        return ccols < N
+
+
+@triton.jit
 def _chunk_sum(
     X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT, row, col0, cols,
     col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, stride_res_out_row, dropout_p,
@@ -757,11 +769,11 @@ def _fused_norm_fwd_kernel(
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
     WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
     EARLY_PARAMS: tl.constexpr,  # one-block rows: weights loaded ahead (config.fwd_early_params)
-    FULL_ROW: tl.constexpr,  # one-block rows that fill their block(s): N == BLOCK_N + TAIL_N
+    FULL_ROW: tl.constexpr,  # unsplit rows filling their blocks: N == NUM_CHUNKS*BLOCK_N + TAIL_N
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
-    if FULL_ROW:  # the width as a constant: the column masks fold away (config.FWD_FULL_ROWS)
-        N = BLOCK_N + TAIL_N
+    if FULL_ROW:  # the width as a constant: the column masks fold away (config.fwd_full_row)
+        N = NUM_CHUNKS * BLOCK_N + TAIL_N
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
     seeds_out = SEEDS
@@ -807,7 +819,7 @@ def _fused_norm_fwd_kernel(
         lane_squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for c in tl.range(0, NUM_CHUNKS, loop_unroll_factor=UNROLL):
             ccols = c * BLOCK_N + cols
-            col_mask = ccols < N
+            col_mask = _col_mask(ccols, cols, N, BLOCK_N, FULL_ROW)
             s = _combine_inputs(
                 X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
                 row, c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row,
@@ -834,7 +846,7 @@ def _fused_norm_fwd_kernel(
                 m2 = 0.0
                 for c in range(NUM_CHUNKS):
                     ccols = c * BLOCK_N + cols
-                    col_mask = ccols < N
+                    col_mask = _col_mask(ccols, cols, N, BLOCK_N, FULL_ROW)
                     s = _chunk_sum(
                         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
                         RESIDUAL_OUT, row, c * BLOCK_N, ccols, col_mask, M, N,
@@ -853,7 +865,7 @@ def _fused_norm_fwd_kernel(
         # Unrolled (UNROLL), every chunk's loads can be in flight before the first is used.
         for c in tl.range(0, NUM_CHUNKS, loop_unroll_factor=UNROLL):
             ccols = c * BLOCK_N + cols
-            col_mask = ccols < N
+            col_mask = _col_mask(ccols, cols, N, BLOCK_N, FULL_ROW)
             s = _chunk_sum(
                 X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1, RESIDUAL_OUT, row,
                 c * BLOCK_N, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,

@@ -399,7 +399,7 @@ def _fwd_plan(
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
         EARLY_PARAMS=config.fwd_early_params(plain, n, fills, tail, rows, elem_bytes, weight_bytes),
-        FULL_ROW=config.FWD_FULL_ROWS and fills,  # the width as a constant: no masks
+        FULL_ROW=config.fwd_full_row(n, kernel_block, tail, num_chunks, fills),
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).

@@ -55,6 +55,7 @@ EXAMPLES_HELD = 50
 EXAMPLES_LANE = 50
 EXAMPLES_EARLY = 40
 EXAMPLES_FULL_ROWS = 30
+EXAMPLES_FULL_CHUNKED = 30
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -321,6 +322,42 @@ def test_full_rows_match_masked_rows(case, layout):
     with EARLY_LAYOUTS[layout]():
         full = check_case(case, "fn", t=t)[0]
         with patched_config(FWD_FULL_ROWS=False), torch.no_grad():
+            torch.manual_seed(case.seed)
+            masked = call_fused(case, t)[0]
+    for name in masked:
+        assert_bitwise_equal(name, full[name].detach(), masked[name])
+
+
+@st.composite
+def full_chunked_cases(draw):
+    """Rows of a whole number of 64-byte chunks (16 fp32 or 32 16-bit columns: widths of 2 to 8
+    times 32 columns), at most 4 rows, every flag drawn."""
+    case = draw(cases("fn", max_rows=4))
+    return dataclasses.replace(case, shape=(*case.shape[:-1], 32 * draw(st.integers(2, 8))))
+
+
+@settings(max_examples=EXAMPLES_FULL_CHUNKED)
+@given(case=full_chunked_cases())
+@example(case=Case(shape=(3, 96), dtype=torch.bfloat16, residual_dtype=torch.float32,
+                   dropout_p=0.2, prenorm=True, seed=6))  # fmt: skip
+def test_chunked_full_rows_match_masked_rows(case):
+    """Chunked rows (a 64-byte block cap) of a whole number of chunks take their width as a
+    constant (config.fwd_full_row, FWD_FULL_CHUNKED_ROWS, kernels._col_mask) and match the
+    reference, every flag drawn; their outputs are bitwise those of the same rows with their
+    chunks' masks."""
+    count_example("test_chunked_full_rows_match_masked_rows")
+    t = make_inputs(case)
+    rule, taken = config.fwd_full_row, []
+
+    def full_row(*args):
+        taken.append(rule(*args))
+        return taken[-1]
+
+    with max_block_bytes(64):
+        with patched_config(fwd_full_row=full_row):
+            full = check_case(case, "fn", t=t)[0]
+        assert any(taken), "no forward took the width as a constant"
+        with patched_config(FWD_FULL_CHUNKED_ROWS=False), torch.no_grad():
             torch.manual_seed(case.seed)
             masked = call_fused(case, t)[0]
     for name in masked:

@@ -728,22 +728,32 @@ def test_early_params_rule(gpu_rules):
 
 
 def test_full_row_rule(gpu_rules):
-    """One-block forward rows that fill their block(s) exactly take the width as a constant
-    (config.fwd_fills_block, FWD_FULL_ROWS, bench/NOTES.md #101): one block, two blocks (5120
-    = 4096 + 1024), a tile of narrow rows; not a partly masked block, chunked or split rows,
-    or with the switch off."""
+    """Forward rows that fill their block(s) exactly take the width as a constant
+    (config.fwd_full_row, FWD_FULL_ROWS, bench/NOTES.md #101-#102): one block, two blocks (5120
+    = 4096 + 1024), a tile of narrow rows, and chunked rows of whole chunks (LayerNorm 16K and
+    32K, RMSNorm 12K); not a partly masked block or chunk, split rows, or with the switches
+    off (FWD_FULL_CHUNKED_ROWS: chunked rows only)."""
     bf16 = torch.bfloat16
 
     def full(*args, **kwargs):
-        return _gpu_fwd_plan(*args, **kwargs).constexprs["FULL_ROW"]
+        plan = _gpu_fwd_plan(*args, **kwargs)
+        return plan.constexprs["FULL_ROW"], plan.constexprs["NUM_CHUNKS"], plan.split
 
     for n in (256, 1024, 4096, 5120, 8192):
-        assert full(n, bf16) and full(n, bf16, bf16, dropout=True), n
-    assert full(1024, torch.float32, x1=True)
-    for n in (1000, 4000, 3000, 16384, 65536):
-        assert not full(n, bf16), n  # masked, chunked (16K) or split (64K)
+        assert full(n, bf16) == (True, 1, 1) and full(n, bf16, bf16, dropout=True)[0], n
+    assert full(1024, torch.float32, x1=True)[0]
+    for n in (16384, 32768):
+        assert full(n, bf16) == (True, 4, 1), n
+    assert full(12288, bf16, rms=True) == (True, 3, 1)
+    for n in (1000, 4000, 3000):
+        assert full(n, bf16) == (False, 1, 1), n  # a masked block
+    assert full(16000, bf16) == (False, 4, 1)  # a masked last chunk
+    for n, args in ((65536, (bf16,)), (262144, (bf16,)), (65536, (bf16, torch.float32))):
+        assert full(n, *args)[0] is False and full(n, *args)[2] > 1, (n, args)  # split
+    with patched_config(FWD_FULL_CHUNKED_ROWS=False):
+        assert full(16384, bf16)[0] is False and full(1024, bf16)[0]
     with patched_config(FWD_FULL_ROWS=False):
-        assert not full(1024, bf16)
+        assert not full(1024, bf16)[0] and not full(16384, bf16)[0]
 
 
 def test_split_rows_measured_in_wider_parts(gpu_rules):
