@@ -303,15 +303,42 @@ def fwd_fills_block(
 FWD_FULL_CHUNKED_ROWS = True
 
 
-def fwd_full_row(n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool) -> bool:
+# One-block rows that fill their block(s) but keep their masks: where the masks measured
+# 1 point of copy or more faster than FULL_ROW. Bench-style A/B of every one-block row that
+# fills its block in the five benchmark workloads and kinds (H200, 2026-11-26, bench/NOTES.md
+# #103, three rounds, 195 rows): most within +-0.5 points, the largest gains LayerNorm 12288
+# bf16 +8.2 and dropout + add + LayerNorm 16384 with an fp32 stream +4.1; these lost. Keyed
+# (row, columns, bytes of the widest row element, of the widest weight): row "ln" / "rms" (a
+# norm of x alone), "x1" (the x1 path), "dropout" (with a residual, no x1), "add" (a residual
+# alone); percent of copy with the masks -> without.
+FWD_MASKED_FULL_ROWS = frozenset({
+    ("dropout", 12288, 2, 2),  # dropout + add + LayerNorm bf16 97.8 -> 90.5
+    ("ln", 8192, 2, 4),  # LayerNorm bf16 beside fp32 weights 90.2 -> 86.2
+    ("dropout", 12288, 4, 4),  # fp32 98.3 -> 96.5
+    ("dropout", 8192, 2, 2),  # bf16 99.5 -> 97.9
+    ("add", 16384, 4, 4),  # add + RMSNorm fp32 99.6 -> 98.2
+    ("x1", 2048, 4, 2),  # the x1 path, bf16 with an fp32 stream 100.6 -> 99.4
+    ("x1", 12288, 4, 2),  # the same 96.9 -> 95.8
+    ("add", 8192, 4, 4),  # add + RMSNorm fp32 99.1 -> 98.0
+    ("dropout", 4096, 4, 4),  # fp32 99.3 -> 98.2
+    ("dropout", 5120, 2, 2),  # fp16 99.9 -> 98.9 (bf16 -0.2)
+    ("x1", 4096, 4, 4),  # fp32 99.3 -> 98.3
+})  # fmt: skip
+
+
+def fwd_full_row(
+    n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool, row: str = "",
+    elem_bytes: int = 2, weight_bytes: int = 2,
+) -> bool:  # fmt: skip
     """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
-    ``fills`` its one block (fwd_fills_block), or a chunked row of ``num_chunks`` whole chunks
-    (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part, and fills is False).
-    FWD_FULL_ROWS switches both off."""
+    ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it (``row``,
+    ``n_cols``, ``elem_bytes``, ``weight_bytes``), or a chunked row of ``num_chunks`` whole
+    chunks (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part, and fills is False).
+    FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
     if num_chunks == 1:
-        return fills
+        return fills and (row, n_cols, elem_bytes, weight_bytes) not in FWD_MASKED_FULL_ROWS
     return FWD_FULL_CHUNKED_ROWS and not tail and n_cols == num_chunks * kernel_block
 
 

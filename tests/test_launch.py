@@ -729,10 +729,10 @@ def test_early_params_rule(gpu_rules):
 
 def test_full_row_rule(gpu_rules):
     """Forward rows that fill their block(s) exactly take the width as a constant
-    (config.fwd_full_row, FWD_FULL_ROWS, bench/NOTES.md #101-#102): one block, two blocks (5120
+    (config.fwd_full_row, FWD_FULL_ROWS, bench/NOTES.md #101-#103): one block, two blocks (5120
     = 4096 + 1024), a tile of narrow rows, and chunked rows of whole chunks (LayerNorm 16K and
-    32K, RMSNorm 12K); not a partly masked block or chunk, split rows, or with the switches
-    off (FWD_FULL_CHUNKED_ROWS: chunked rows only)."""
+    32K, RMSNorm 12K); not a partly masked block or chunk, split rows, the rows measured
+    faster masked, or with the switches off (FWD_FULL_CHUNKED_ROWS: chunked rows only)."""
     bf16 = torch.bfloat16
 
     def full(*args, **kwargs):
@@ -740,7 +740,17 @@ def test_full_row_rule(gpu_rules):
         return plan.constexprs["FULL_ROW"], plan.constexprs["NUM_CHUNKS"], plan.split
 
     for n in (256, 1024, 4096, 5120, 8192):
-        assert full(n, bf16) == (True, 1, 1) and full(n, bf16, bf16, dropout=True)[0], n
+        assert full(n, bf16) == (True, 1, 1), n
+    for n in (256, 1024, 4096):
+        assert full(n, bf16, bf16, dropout=True)[0], n
+    # rows that fill their block but measured faster with their masks (FWD_MASKED_FULL_ROWS,
+    # #103): dropout + add + LayerNorm 12288 in bf16, not with an fp32 stream; LayerNorm 8192
+    # beside fp32 weights, not beside bf16 ones
+    assert full(12288, bf16, bf16, dropout=True) == (False, 1, 1)
+    assert full(12288, bf16, torch.float32, dropout=True)[0]
+    assert full(8192, bf16, wb=4) == (False, 1, 1)
+    with patched_config(FWD_MASKED_FULL_ROWS=frozenset()):
+        assert full(12288, bf16, bf16, dropout=True)[0] and full(8192, bf16, wb=4)[0]
     assert full(1024, torch.float32, x1=True)[0]
     for n in (16384, 32768):
         assert full(n, bf16) == (True, 4, 1), n
