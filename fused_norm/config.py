@@ -286,7 +286,7 @@ def fwd_fills_block(
 ) -> bool:  # fmt: skip
     """Whether a forward row of ``n_cols`` columns, not split or chunked, fills its one block
     (``kernel_block``, and ``tail`` where held as two) exactly: no masked column. Such rows
-    take their width as a constant where FWD_FULL_ROWS, and FWD_EARLY_PARAMS' rows are such."""
+    take their width as a constant (fwd_full_row), and FWD_EARLY_PARAMS' rows are such."""
     return split == 1 and num_chunks == 1 and n_cols == kernel_block + tail
 
 
@@ -295,8 +295,8 @@ def fwd_fills_block(
 # 3.6, sm_90) LayerNorm 16384 / 32768 bf16 920 -> 784 SASS instructions, no predicated loads
 # left, the same registers. Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #102), four
 # rounds: LayerNorm bf16 16384 137.8 -> 133.9 us (94.3 -> 97.0% of copy), 32768 142.6 ->
-# 135.9 us (91.1 -> 95.6%), with fp32 weights 16384 142.2 -> 141.0 us; RMSNorm 8192-32768
-# even to +0.4 points. Split rows keep their masks: folded, they measured -0.7 to -6.7 points
+# 135.9 us (91.1 -> 95.6%), fp16 32768 139.1 -> 134.1 us (93.4 -> 96.9%), with fp32 weights
+# 16384 142.2 -> 141.0 us; RMSNorm 8192-32768 even to +0.4 points. Split rows keep their masks: folded, they measured -0.7 to -6.7 points
 # on 16-bit LayerNorm, RMSNorm and the x1 path (LayerNorm 256K bf16 81.9 -> 76.9%, 62 -> 78
 # registers offline) and fp32 LayerNorm 32K (-1.9), +0.2 to +2.3 on add + RMSNorm 256K (bf16,
 # fp32), dropout + add + LayerNorm 64K (fp32 stream) and LayerNorm 64K with fp32 weights.
@@ -308,7 +308,7 @@ FWD_FULL_CHUNKED_ROWS = True
 # fills its block in the five benchmark workloads and kinds (H200, 2026-11-26, bench/NOTES.md
 # #103, three rounds, 195 rows): most within +-0.5 points, the largest gains LayerNorm 12288
 # bf16 +8.2 and dropout + add + LayerNorm 16384 with an fp32 stream +4.1; these lost. Keyed
-# (row, columns, bytes of the widest row element, of the widest weight): row "ln" / "rms" (a
+# (row kind, columns, bytes of the widest row element, of the widest weight): "ln" / "rms" (a
 # norm of x alone), "x1" (the x1 path), "dropout" (with a residual, no x1), "add" (a residual
 # alone); percent of copy with the masks -> without.
 FWD_MASKED_FULL_ROWS = frozenset({
@@ -327,18 +327,19 @@ FWD_MASKED_FULL_ROWS = frozenset({
 
 
 def fwd_full_row(
-    n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool, row: str = "",
-    elem_bytes: int = 2, weight_bytes: int = 2,
+    n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool, row_kind: str,
+    elem_bytes: int, weight_bytes: int,
 ) -> bool:  # fmt: skip
     """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
-    ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it (``row``,
-    ``n_cols``, ``elem_bytes``, ``weight_bytes``), or a chunked row of ``num_chunks`` whole
-    chunks (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part, and fills is False).
-    FWD_FULL_ROWS switches all off."""
+    ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it
+    (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), or a chunked row of
+    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part,
+    and fills is False). FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
     if num_chunks == 1:
-        return fills and (row, n_cols, elem_bytes, weight_bytes) not in FWD_MASKED_FULL_ROWS
+        key = (row_kind, n_cols, elem_bytes, weight_bytes)
+        return fills and key not in FWD_MASKED_FULL_ROWS
     return FWD_FULL_CHUNKED_ROWS and not tail and n_cols == num_chunks * kernel_block
 
 
