@@ -326,17 +326,34 @@ FWD_MASKED_FULL_ROWS = frozenset({
 })  # fmt: skip
 
 
+# Split rows of whole parts that fold their parts' masks (FULL_ROW: the mask and the parts'
+# counts constant, N a runtime value; kernels._fwd_split_row), where that measured 1 point of
+# copy or more faster. Elsewhere split rows keep their masks: folded, they lost up to 6.7
+# points (bench/NOTES.md #102). Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #105),
+# five rounds, percent of copy masked -> folded; keyed (row kind as in FWD_MASKED_FULL_ROWS,
+# columns, x's dtype, bytes of the widest row element, of the widest weight).
+FWD_FULL_SPLIT_ROWS = frozenset({
+    ("ln", 262144, torch.float16, 2, 2),  # LayerNorm fp16 74.7 -> 77.1 (bf16: 82.0 -> 76.8)
+    ("add", 262144, torch.float32, 4, 4),  # add + RMSNorm fp32 94.9 -> 97.0
+    ("dropout", 262144, torch.bfloat16, 4, 2),  # bf16 x, an fp32 stream 91.0 -> 92.8
+    ("add", 262144, torch.bfloat16, 2, 2),  # add + RMSNorm bf16 93.7 -> 94.7
+})  # fmt: skip
+
+
 def fwd_full_row(
-    n_cols: int, kernel_block: int, tail: int, num_chunks: int, fills: bool, row_kind: str,
-    elem_bytes: int, weight_bytes: int,
+    n_cols: int, kernel_block: int, tail: int, num_chunks: int, split: int, fills: bool,
+    row_kind: str, x_dtype: torch.dtype, elem_bytes: int, weight_bytes: int,
 ) -> bool:  # fmt: skip
     """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
     ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it
-    (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), or a chunked row of
-    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS); never a split row (one chunk a part,
-    and fills is False). FWD_FULL_ROWS switches all off."""
+    (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), a chunked row of
+    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS), or a row of ``split`` whole parts
+    that FWD_FULL_SPLIT_ROWS holds (with ``x_dtype``). FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
+    if split > 1:
+        key = (row_kind, n_cols, x_dtype, elem_bytes, weight_bytes)
+        return n_cols == split * kernel_block and key in FWD_FULL_SPLIT_ROWS
     if num_chunks == 1:
         key = (row_kind, n_cols, elem_bytes, weight_bytes)
         return fills and key not in FWD_MASKED_FULL_ROWS

@@ -556,7 +556,7 @@ def _fwd_split_row(
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
     SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr, HOLD: tl.constexpr,
-    WS_PREFETCH: tl.constexpr,
+    WS_PREFETCH: tl.constexpr, FULL_ROW: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
 
@@ -589,7 +589,10 @@ def _fwd_split_row(
     part = pid % SPLIT
     col0 = part * BLOCK_N
     ccols = col0 + cols
-    col_mask = ccols < N
+    # FULL_ROW (parts of whole blocks, config.FWD_FULL_SPLIT_ROWS): the mask folds and every
+    # part counts BLOCK_N columns; N stays a runtime value (as a constant it took fp16
+    # LayerNorm at 256K from 78 registers to 127 offline, bench/NOTES.md #105).
+    col_mask = _col_mask(ccols, cols, N, BLOCK_N, FULL_ROW)
     if WS_PREFETCH:  # the line of this part's word, asked of L2 by its line's first part
         # (the word is WS[pid]; written so, ptxas scheduled the part differently, offline)
         word = row * SPLIT + part + tl.zeros((1,), dtype=tl.int64)
@@ -610,7 +613,10 @@ def _fwd_split_row(
         word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
     else:
         total, squares = _sums(s, 0)
-        mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
+        if FULL_ROW:
+            mean_p = total / BLOCK_N
+        else:
+            mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
         m2 = squares - total * mean_p
         if _cancels(squares, m2):
             if not HOLD:
@@ -665,7 +671,10 @@ def _fwd_split_row(
     else:
         means = tl.where(pmask, (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
                          0.0)  # fmt: skip
-        counts = tl.where(pmask, tl.minimum(N - parts * BLOCK_N, BLOCK_N), 0).to(tl.float32)
+        if FULL_ROW:
+            counts = tl.where(pmask, BLOCK_N, 0).to(tl.float32)
+        else:
+            counts = tl.where(pmask, tl.minimum(N - parts * BLOCK_N, BLOCK_N), 0).to(tl.float32)
         mean = tl.sum(counts * means, axis=0) / N
         dm = tl.where(pmask, means - mean, 0.0)
         rstd = 1.0 / tl.sqrt((tl.sum(m2s, axis=0) + tl.sum(counts * dm * dm, axis=0)) / N + eps)
@@ -679,10 +688,11 @@ def _fwd_split_row(
 
 @triton.jit
 def _col_mask(ccols, cols, N, BLOCK_N: tl.constexpr, FULL_ROW: tl.constexpr):
-    """The column mask of a chunk (``ccols``; ``cols`` the same columns counted from the
-    chunk's first): with FULL_ROW (N a multiple of BLOCK_N) every column is in the row and
+    """The column mask of a chunk or split part (``ccols``; ``cols`` the same columns counted
+    from its first): with FULL_ROW (N a multiple of BLOCK_N) every column is in the row and
     the mask is one the compiler folds away (an arange below its own length), which
-    ``ccols < N`` with the chunk's index a loop variable is not."""
+    ``ccols < N`` with the chunk's index a loop variable, or the part's a program id, is
+    not."""
     if FULL_ROW:
         return cols < BLOCK_N
     else:
@@ -769,10 +779,10 @@ def _fused_norm_fwd_kernel(
     UNROLL: tl.constexpr,      # chunked rows: unroll factor of the two sweeps (1: none)
     WS_PREFETCH: tl.constexpr,  # split rows: the row's words prefetched (config.fwd_ws_prefetch)
     EARLY_PARAMS: tl.constexpr,  # one-block rows: weights loaded ahead (config.fwd_early_params)
-    FULL_ROW: tl.constexpr,  # unsplit rows filling their blocks: N == NUM_CHUNKS*BLOCK_N + TAIL_N
+    FULL_ROW: tl.constexpr,  # rows that fill their blocks or parts (config.fwd_full_row)
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
 ):  # fmt: skip
-    if FULL_ROW:  # the width as a constant: the column masks fold away (config.fwd_full_row)
+    if FULL_ROW and SPLIT == 1:  # the width as a constant: the masks fold (config.fwd_full_row)
         N = NUM_CHUNKS * BLOCK_N + TAIL_N
     cols = tl.arange(0, BLOCK_N)
     row0 = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
@@ -788,7 +798,7 @@ def _fused_norm_fwd_kernel(
             stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
-            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH,
+            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH, FULL_ROW,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used

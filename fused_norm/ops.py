@@ -371,7 +371,9 @@ def _fwd_plan(
         num_warps = own[0] if own else config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
     fills = config.fwd_fills_block(n, kernel_block, tail, num_chunks, split)
-    row_kind = plain or ("x1" if has_x1 else "dropout" if dropout else "add")  # fwd_full_row's
+    row_kind = plain or ("x1" if has_x1 else "dropout" if dropout else "add")
+    full_row = config.fwd_full_row(n, kernel_block, tail, num_chunks, split, fills, row_kind,
+                                   x_dtype, elem_bytes, weight_bytes)  # fmt: skip
     constexprs = dict(
         BLOCK_N=kernel_block,
         TAIL_N=tail,
@@ -400,9 +402,7 @@ def _fwd_plan(
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
         WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
         EARLY_PARAMS=config.fwd_early_params(plain, n, fills, tail, rows, elem_bytes, weight_bytes),
-        FULL_ROW=config.fwd_full_row(
-            n, kernel_block, tail, num_chunks, fills, row_kind, elem_bytes, weight_bytes
-        ),
+        FULL_ROW=full_row,  # the width as a constant where it measured faster
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).

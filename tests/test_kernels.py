@@ -56,6 +56,7 @@ EXAMPLES_LANE = 50
 EXAMPLES_EARLY = 40
 EXAMPLES_FULL_ROWS = 30
 EXAMPLES_FULL_CHUNKED = 30
+EXAMPLES_FULL_SPLIT = 30
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -358,6 +359,40 @@ def test_chunked_full_rows_match_masked_rows(case):
             full = check_case(case, "fn", t=t)[0]
         assert any(taken), "no forward took the width as a constant"
         with patched_config(FWD_FULL_CHUNKED_ROWS=False), torch.no_grad():
+            torch.manual_seed(case.seed)
+            masked = call_fused(case, t)[0]
+    for name in masked:
+        assert_bitwise_equal(name, full[name].detach(), masked[name])
+
+
+class _Everything:
+    """A table that holds every key (config.FWD_FULL_SPLIT_ROWS patched for the tests)."""
+
+    def __contains__(self, key):
+        return True
+
+
+@settings(max_examples=EXAMPLES_FULL_SPLIT)
+@given(case=full_chunked_cases())
+@example(case=Case(shape=(2, 128), dtype=torch.float16, seed=7))
+def test_split_full_rows_match_masked_rows(case):
+    """Split rows (64-byte parts) of whole parts that fold their parts' masks and counts
+    (config.fwd_full_row with every row in FWD_FULL_SPLIT_ROWS, kernels._fwd_split_row's
+    FULL_ROW) match the reference, every flag drawn, and give bitwise the outputs of the
+    same parts with their masks."""
+    count_example("test_split_full_rows_match_masked_rows")
+    t = make_inputs(case)
+    rule, taken = config.fwd_full_row, []
+
+    def full_row(*args):
+        taken.append(rule(*args))
+        return taken[-1]
+
+    with split_rows(64):
+        with patched_config(fwd_full_row=full_row, FWD_FULL_SPLIT_ROWS=_Everything()):
+            full = check_case(case, "fn", t=t)[0]
+        assert any(taken), "no split forward took the width as a constant"
+        with patched_config(FWD_FULL_SPLIT_ROWS=frozenset()), torch.no_grad():
             torch.manual_seed(case.seed)
             masked = call_fused(case, t)[0]
     for name in masked:

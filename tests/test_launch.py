@@ -729,10 +729,11 @@ def test_early_params_rule(gpu_rules):
 
 def test_full_row_rule(gpu_rules):
     """Forward rows that fill their block(s) exactly take the width as a constant
-    (config.fwd_full_row, FWD_FULL_ROWS, bench/NOTES.md #101-#103): one block, two blocks (5120
+    (config.fwd_full_row, FWD_FULL_ROWS, bench/NOTES.md #101-#103, #105): one block, two blocks (5120
     = 4096 + 1024), a tile of narrow rows, and chunked rows of whole chunks (LayerNorm 16K and
-    32K, RMSNorm 12K); not a partly masked block or chunk, split rows, the rows measured
-    faster masked, or with the switches off (FWD_FULL_CHUNKED_ROWS: chunked rows only)."""
+    32K, RMSNorm 12K), and the split rows measured faster so; not a partly masked block or
+    chunk, other split rows, the rows measured faster masked, or with the switches off
+    (FWD_FULL_CHUNKED_ROWS: chunked rows only)."""
     bf16 = torch.bfloat16
 
     def full(*args, **kwargs):
@@ -760,6 +761,16 @@ def test_full_row_rule(gpu_rules):
     assert full(16000, bf16) == (False, 4, 1)  # a masked last chunk
     for n, args in ((65536, (bf16,)), (262144, (bf16,)), (65536, (bf16, torch.float32))):
         assert full(n, *args)[0] is False and full(n, *args)[2] > 1, (n, args)  # split
+    # split rows that measured faster with their parts' masks folded (FWD_FULL_SPLIT_ROWS,
+    # #105): LayerNorm 256K in fp16 (not bf16, not 128K), add + RMSNorm 256K in bf16 and fp32
+    fp16, fp32 = torch.float16, torch.float32
+    assert full(262144, fp16)[0] and full(262144, fp16)[2] > 1
+    assert not full(131072, fp16)[0] and full(131072, fp16)[2] > 1
+    assert full(262144, bf16, bf16, rms=True)[0] and full(262144, fp32, fp32, rms=True, wb=4)[0]
+    assert full(262144, bf16, fp32, dropout=True)[0]
+    assert not full(262144, bf16, bf16, dropout=True)[0]
+    with patched_config(FWD_FULL_SPLIT_ROWS=frozenset()):
+        assert not full(262144, fp16)[0]
     with patched_config(FWD_FULL_CHUNKED_ROWS=False):
         assert full(16384, bf16)[0] is False and full(1024, bf16)[0]
     with patched_config(FWD_FULL_ROWS=False):
