@@ -330,8 +330,11 @@ FWD_MASKED_FULL_ROWS = frozenset({
 # counts constant, N a runtime value; kernels._fwd_split_row), where that measured 1 point of
 # copy or more faster. Elsewhere split rows keep their masks: folded, they lost up to 6.7
 # points (bench/NOTES.md #102). Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #105),
-# five rounds, percent of copy masked -> folded; keyed (row kind as in FWD_MASKED_FULL_ROWS,
-# columns, x's dtype, bytes of the widest row element, of the widest weight).
+# five rounds, percent of copy masked -> folded (a second call: 74.6 -> 77.0, 93.2 -> 94.0,
+# 95.0 -> 96.8, 90.5 -> 92.4); keyed (row kind as in FWD_MASKED_FULL_ROWS, columns, x's
+# dtype, bytes of the widest row element, of the widest weight). x's dtype parts bf16 from
+# fp16 rows, which differ here; a row kind takes LayerNorm and RMSNorm alike (add +
+# LayerNorm and dropout + add + RMSNorm at 256K were not measured).
 FWD_FULL_SPLIT_ROWS = frozenset({
     ("ln", 262144, torch.float16, 2, 2),  # LayerNorm fp16 74.7 -> 77.1 (bf16: 82.0 -> 76.8)
     ("add", 262144, torch.float32, 4, 4),  # add + RMSNorm fp32 94.9 -> 97.0
