@@ -337,6 +337,28 @@ def full_chunked_cases(draw):
     return dataclasses.replace(case, shape=(*case.shape[:-1], 32 * draw(st.integers(2, 8))))
 
 
+def _full_rows_match_masked(case, layout, full_settings, masked_settings, what):
+    """``case`` under the layout context ``layout``: with ``full_settings`` (config) it matches
+    the reference and some forward took its width as a constant (config.fwd_full_row, asked
+    through a spy); with ``masked_settings`` the same inputs give bitwise the same outputs."""
+    t = make_inputs(case)
+    rule, taken = config.fwd_full_row, []
+
+    def full_row(*args):
+        taken.append(rule(*args))
+        return taken[-1]
+
+    with layout:
+        with patched_config(fwd_full_row=full_row, **full_settings):
+            full = check_case(case, "fn", t=t)[0]
+        assert any(taken), f"no {what} took the width as a constant"
+        with patched_config(**masked_settings), torch.no_grad():
+            torch.manual_seed(case.seed)
+            masked = call_fused(case, t)[0]
+    for name in masked:
+        assert_bitwise_equal(name, full[name].detach(), masked[name])
+
+
 @settings(max_examples=EXAMPLES_FULL_CHUNKED)
 @given(case=full_chunked_cases())
 @example(case=Case(shape=(3, 96), dtype=torch.bfloat16, residual_dtype=torch.float32,
@@ -347,22 +369,8 @@ def test_chunked_full_rows_match_masked_rows(case):
     reference, every flag drawn; their outputs are bitwise those of the same rows with their
     chunks' masks."""
     count_example("test_chunked_full_rows_match_masked_rows")
-    t = make_inputs(case)
-    rule, taken = config.fwd_full_row, []
-
-    def full_row(*args):
-        taken.append(rule(*args))
-        return taken[-1]
-
-    with max_block_bytes(64):
-        with patched_config(fwd_full_row=full_row):
-            full = check_case(case, "fn", t=t)[0]
-        assert any(taken), "no forward took the width as a constant"
-        with patched_config(FWD_FULL_CHUNKED_ROWS=False), torch.no_grad():
-            torch.manual_seed(case.seed)
-            masked = call_fused(case, t)[0]
-    for name in masked:
-        assert_bitwise_equal(name, full[name].detach(), masked[name])
+    _full_rows_match_masked(case, max_block_bytes(64), {}, {"FWD_FULL_CHUNKED_ROWS": False},
+                            "chunked forward")  # fmt: skip
 
 
 class _Everything:
@@ -381,22 +389,8 @@ def test_split_full_rows_match_masked_rows(case):
     FULL_ROW) match the reference, every flag drawn, and give bitwise the outputs of the
     same parts with their masks."""
     count_example("test_split_full_rows_match_masked_rows")
-    t = make_inputs(case)
-    rule, taken = config.fwd_full_row, []
-
-    def full_row(*args):
-        taken.append(rule(*args))
-        return taken[-1]
-
-    with split_rows(64):
-        with patched_config(fwd_full_row=full_row, FWD_FULL_SPLIT_ROWS=_Everything()):
-            full = check_case(case, "fn", t=t)[0]
-        assert any(taken), "no split forward took the width as a constant"
-        with patched_config(FWD_FULL_SPLIT_ROWS=frozenset()), torch.no_grad():
-            torch.manual_seed(case.seed)
-            masked = call_fused(case, t)[0]
-    for name in masked:
-        assert_bitwise_equal(name, full[name].detach(), masked[name])
+    _full_rows_match_masked(case, split_rows(64), {"FWD_FULL_SPLIT_ROWS": _Everything()},
+                            {"FWD_FULL_SPLIT_ROWS": frozenset()}, "split forward")  # fmt: skip
 
 
 @triton.jit
