@@ -296,10 +296,12 @@ def fwd_fills_block(
 # left, the same registers. Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #102), four
 # rounds: LayerNorm bf16 16384 137.8 -> 133.9 us (94.3 -> 97.0% of copy), 32768 142.6 ->
 # 135.9 us (91.1 -> 95.6%), fp16 32768 139.1 -> 134.1 us (93.4 -> 96.9%), with fp32 weights
-# 16384 142.2 -> 141.0 us; RMSNorm 8192-32768 even to +0.4 points. Split rows keep their masks: folded, they measured -0.7 to -6.7 points
-# on 16-bit LayerNorm, RMSNorm and the x1 path (LayerNorm 256K bf16 81.9 -> 76.9%, 62 -> 78
-# registers offline) and fp32 LayerNorm 32K (-1.9), +0.2 to +2.3 on add + RMSNorm 256K (bf16,
-# fp32), dropout + add + LayerNorm 64K (fp32 stream) and LayerNorm 64K with fp32 weights.
+# 16384 142.2 -> 141.0 us; RMSNorm 8192-32768 even to +0.4 points. Split rows keep their
+# masks but FWD_FULL_SPLIT_ROWS': folded with N a constant too, they measured -0.7 to -6.7
+# points on 16-bit LayerNorm, RMSNorm and the x1 path (LayerNorm 256K bf16 81.9 -> 76.9%, 62
+# -> 78 registers offline) and fp32 LayerNorm 32K (-1.9), +0.2 to +2.3 on add + RMSNorm 256K
+# (bf16, fp32), dropout + add + LayerNorm 64K (fp32 stream) and LayerNorm 64K with fp32
+# weights.
 FWD_FULL_CHUNKED_ROWS = True
 
 
