@@ -346,14 +346,15 @@ FWD_FULL_SPLIT_ROWS = frozenset({
 
 
 def fwd_full_row(
-    n_cols: int, kernel_block: int, tail: int, num_chunks: int, split: int, fills: bool,
-    row_kind: str, x_dtype: torch.dtype, elem_bytes: int, weight_bytes: int,
+    n_cols: int, kernel_block: int, num_chunks: int, split: int, fills: bool, row_kind: str,
+    x_dtype: torch.dtype, elem_bytes: int, weight_bytes: int,
 ) -> bool:  # fmt: skip
     """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
     ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it
     (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), a chunked row of
-    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS), or a row of ``split`` whole parts
-    that FWD_FULL_SPLIT_ROWS holds (with ``x_dtype``). FWD_FULL_ROWS switches all off."""
+    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS; chunked rows have no tail:
+    block_tail), or a row of ``split`` whole parts that FWD_FULL_SPLIT_ROWS holds (with
+    ``x_dtype``). FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
     if split > 1:
@@ -362,7 +363,7 @@ def fwd_full_row(
     if num_chunks == 1:
         key = (row_kind, n_cols, elem_bytes, weight_bytes)
         return fills and key not in FWD_MASKED_FULL_ROWS
-    return FWD_FULL_CHUNKED_ROWS and not tail and n_cols == num_chunks * kernel_block
+    return FWD_FULL_CHUNKED_ROWS and n_cols == num_chunks * kernel_block
 
 
 def fwd_num_warps(

@@ -264,19 +264,19 @@ def _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl
 def _normalize_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, params=None, LOADED: tl.constexpr = False,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, params=None,
 ):  # fmt: skip
     """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1). The
-    weights and biases come from ``params`` where LOADED (_load_params: loaded ahead of the
+    weights and biases come from ``params`` where given (_load_params: loaded ahead of the
     statistics, config.fwd_early_params), else each pair is loaded just before its output."""
-    if LOADED:
+    if params is not None:
         w, b, w1, b1 = params
     else:
         w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
     _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
                   ZERO_CENTERED_WEIGHT)  # fmt: skip
     if HAS_W1:
-        if not LOADED:
+        if params is None:
             w1, b1 = _load_affine(cols, col_mask, W1, B1, HAS_B1)
         _affine_store(xhat, cols, col_mask, row, w1, b1, Y1, stride_y1_row, HAS_B1,
                       ZERO_CENTERED_WEIGHT)  # fmt: skip
@@ -368,13 +368,13 @@ def _fwd_row(
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, params,
-                     EARLY_PARAMS)  # fmt: skip
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                     params)  # fmt: skip
     if TAIL_N > 0:
         that = t * rstd
         _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, tparams,
-                         EARLY_PARAMS)  # fmt: skip
+                         stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                         tparams)  # fmt: skip
 
 
 @triton.jit
@@ -417,8 +417,8 @@ def _fwd_rows(
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT, params,
-                     EARLY_PARAMS)  # fmt: skip
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                     params)  # fmt: skip
 
 
 @triton.jit

@@ -372,8 +372,8 @@ def _fwd_plan(
         hold = False  # config.fwd_hold: split parts only
     fills = config.fwd_fills_block(n, kernel_block, tail, num_chunks, split)
     row_kind = plain or ("x1" if has_x1 else "dropout" if dropout else "add")
-    full_row = config.fwd_full_row(n, kernel_block, tail, num_chunks, split, fills, row_kind,
-                                   x_dtype, elem_bytes, weight_bytes)  # fmt: skip
+    full_row = config.fwd_full_row(n, kernel_block, num_chunks, split, fills, row_kind, x_dtype,
+                                   elem_bytes, weight_bytes)  # fmt: skip
     constexprs = dict(
         BLOCK_N=kernel_block,
         TAIL_N=tail,
