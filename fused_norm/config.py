@@ -694,6 +694,27 @@ def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool = Fal
     return not (plain == "rms" and split > FWD_WS_PREFETCH_RMS_MAX_PARTS)
 
 
+# A split part loads its columns' weights and biases after the wait, from L2, where every row's
+# part of those columns reads them again: with ``evict_last`` they stay there against the rows
+# streaming past (Triton's eviction_policy; bench/NOTES.md #106). Bench-style A/B in one process
+# (H200, 2026-11-26, calls 2-3, four or five rounds), default -> evict_last: dropout + add +
+# LayerNorm bf16 64K / 128K / 256K 279.1 / 286.8 / 297.5 -> 276.5 / 285.2 / 295.1 us, fp16 256K
+# 295.1 -> 292.8, LayerNorm bf16 128K / 256K 150.4 / 156.6 -> 149.8 / 155.8, fp16 128K / 256K
+# 157.8 / 165.7 -> 155.6 / 164.3, add + RMSNorm bf16 128K 271.5 -> 270.0, fp32 256K 535.5 ->
+# 533.1, the x1 path 128K 410.1 -> 408.7; even for RMSNorm bf16 128K-256K, an fp32 stream, fp32
+# LayerNorm 256K (304.9 -> 303.7). But 16-bit rows beside 4-byte weights lost (LayerNorm bf16 x,
+# fp32 weights, 32K / 64K 153.0 / 161.0 -> 153.8 / 163.5 us): their weights keep the default.
+# Loading x evict_first lost 1-12 us everywhere, and streaming stores (.cs) were even.
+FWD_SPLIT_PARAMS_EVICT = "evict_last"
+
+
+def fwd_split_params_evict(elem_bytes: int, weight_bytes: int) -> str:
+    """The L2 eviction policy of a split forward part's weight and bias loads:
+    FWD_SPLIT_PARAMS_EVICT, but the default ("") where the weights are wider than the row's
+    widest element (``weight_bytes`` > ``elem_bytes``: 16-bit rows beside fp32 weights)."""
+    return "" if weight_bytes > elem_bytes else FWD_SPLIT_PARAMS_EVICT
+
+
 def fwd_split(
     n_cols: int,
     elem_bytes: int,
@@ -1021,6 +1042,13 @@ BWD_SUMS_WARPS = 8
 # weights 1034 -> 1040 us), so those rows keep one part.
 BWD_SUMS_PART_BYTES = 32768
 BWD_SUMS_MAX_PARTS = 8
+# ... but 16-bit rows without the x1 path take up to this many parts (bwd_sums_layout): 16 of
+# 32 KB at 256K columns. Bench-style A/B in one process (H200, 2026-11-26, bench/NOTES.md #107),
+# dropout + add + LayerNorm 256K forward + backward, 8 -> 16 parts: bf16 780.4 -> 780.1 and
+# 776.2 -> 773.8 us (the backward 486.0 -> 483.3, 482.8 -> 483.3), fp16 776.1 -> 772.0 (the
+# backward 484.2 -> 480.2), as in #91 (783.0 -> 776.9, 783.3 -> 779.8); the x1 path lost (bf16
+# 932.1 -> 934.6 us, fp16 939.6 -> 943.0) and keeps 8.
+BWD_SUMS_MAX_PARTS_16BIT = 16
 BWD_SUMS_ADD_ROWS = 128  # rows per program of the shares' sum, and its warps
 BWD_SUMS_ADD_WARPS = 4
 
@@ -1046,17 +1074,20 @@ def bwd_pdl(device: torch.device) -> bool:
     return BWD_PDL and not INTERPRETED and _nvidia(device) and _sm90(device.index)
 
 
-def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool) -> tuple[int, int, int]:
+def bwd_sums_layout(n_cols: int, elem_bytes: int, w4: bool, x1: bool) -> tuple[int, int, int]:
     """(BLOCK_N, NUM_CHUNKS, PARTS) of the row-sums pre-pass for rows of ``n_cols`` elements,
-    ``elem_bytes`` the wider of s and dy, ``w4``: 4-byte weights (W4_RULES): chunks of
-    BLOCK_N columns, NUM_CHUNKS of them per part and PARTS parts per row (a power of two, 1
-    with 4-byte weights; the last part may run past the row, masked)."""
+    ``elem_bytes`` the wider of s and dy, ``w4``: 4-byte weights (W4_RULES), ``x1``: the x1
+    path's second weight: chunks of BLOCK_N columns, NUM_CHUNKS of them per part and PARTS
+    parts per row (a power of two, at most BWD_SUMS_MAX_PARTS, BWD_SUMS_MAX_PARTS_16BIT for
+    16-bit rows without x1, and 1 with 4-byte weights; the last part may run past the row,
+    masked)."""
     block_n, chunks = block_config(n_cols, elem_bytes, BWD_SUMS_BLOCK_BYTES)
     if w4:
         return block_n, chunks, 1
     part_chunks = max(BWD_SUMS_PART_BYTES // (block_n * elem_bytes), 1)
+    most = BWD_SUMS_MAX_PARTS_16BIT if elem_bytes == 2 and not x1 else BWD_SUMS_MAX_PARTS
     parts = 1
-    while parts * 2 * part_chunks <= chunks and parts < BWD_SUMS_MAX_PARTS:
+    while parts * 2 * part_chunks <= chunks and parts < most:
         parts *= 2
     return block_n, cdiv(chunks, parts), parts
 

@@ -225,12 +225,13 @@ def _cancels(squares, m2):
 
 
 @triton.jit
-def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr):
-    """One row chunk's weight and bias as stored (the weight again where there is no bias)."""
-    w = tl.load(W + cols, mask=col_mask, other=0.0)
+def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr, EVICT: tl.constexpr = NO_EVICT):
+    """One row chunk's weight and bias as stored (the weight again where there is no bias);
+    ``EVICT``: their L2 eviction policy ("" the default)."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=EVICT)
     b = w
     if HAS_BIAS:
-        b = tl.load(B + cols, mask=col_mask, other=0.0)
+        b = tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy=EVICT)
     return w, b
 
 
@@ -264,20 +265,21 @@ def _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl
 def _normalize_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, params=None,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, params=None, EVICT: tl.constexpr = NO_EVICT,
 ):  # fmt: skip
     """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1). The
     weights and biases come from ``params`` where given (_load_params: loaded ahead of the
-    statistics, config.fwd_early_params), else each pair is loaded just before its output."""
+    statistics, config.fwd_early_params), else each pair is loaded just before its output,
+    with the L2 eviction policy ``EVICT``."""
     if params is not None:
         w, b, w1, b1 = params
     else:
-        w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS)
+        w, b = _load_affine(cols, col_mask, W, B, HAS_BIAS, EVICT)
     _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS,
                   ZERO_CENTERED_WEIGHT)  # fmt: skip
     if HAS_W1:
         if params is None:
-            w1, b1 = _load_affine(cols, col_mask, W1, B1, HAS_B1)
+            w1, b1 = _load_affine(cols, col_mask, W1, B1, HAS_B1, EVICT)
         _affine_store(xhat, cols, col_mask, row, w1, b1, Y1, stride_y1_row, HAS_B1,
                       ZERO_CENTERED_WEIGHT)  # fmt: skip
 
@@ -556,7 +558,7 @@ def _fwd_split_row(
     STORE_MASK: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
     SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr, HOLD: tl.constexpr,
-    WS_PREFETCH: tl.constexpr, FULL_ROW: tl.constexpr,
+    WS_PREFETCH: tl.constexpr, FULL_ROW: tl.constexpr, PARAMS_EVICT: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
 
@@ -681,9 +683,11 @@ def _fwd_split_row(
         tl.store(MEAN + row, mean, mask=part == 0)
         xhat = (s - mean) * rstd
     tl.store(RSTD + row, rstd, mask=part == 0)
+    # The weights and biases, read by every row's part of these columns, with PARAMS_EVICT
+    # (config.fwd_split_params_evict).
     _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                     ZERO_CENTERED_WEIGHT)  # fmt: skip
+                     ZERO_CENTERED_WEIGHT, None, PARAMS_EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -781,6 +785,7 @@ def _fused_norm_fwd_kernel(
     EARLY_PARAMS: tl.constexpr,  # one-block rows: weights loaded ahead (config.fwd_early_params)
     FULL_ROW: tl.constexpr,  # rows that fill their blocks or parts (config.fwd_full_row)
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
+    PARAMS_EVICT: tl.constexpr = NO_EVICT,  # split rows: the weights' eviction policy
 ):  # fmt: skip
     if FULL_ROW and SPLIT == 1:  # the width as a constant: the masks fold (config.fwd_full_row)
         N = NUM_CHUNKS * BLOCK_N + TAIL_N
@@ -798,7 +803,7 @@ def _fused_norm_fwd_kernel(
             stride_x1_row, stride_y1_row, stride_res_out_row, M, N, eps, dropout_p, max_polls,
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
-            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH, FULL_ROW,
+            SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH, FULL_ROW, PARAMS_EVICT,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used

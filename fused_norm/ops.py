@@ -407,6 +407,7 @@ def _fwd_plan(
         # row, or before it in the x1 path's rows and on 16 or more warps, where that measured
         # faster (bench/NOTES.md #80).
         SEEDS_LAST=not has_x1 and (split > 1 or num_warps < 16),
+        PARAMS_EVICT=config.fwd_split_params_evict(elem_bytes, weight_bytes) if split > 1 else "",
     )
     maxnreg = (
         own[1]
@@ -692,7 +693,7 @@ def _bwd_kernel_plan(
     if num_chunks > 1 and not _exchanges(c12):  # rows wider than a block: c1, c2 first
         w4 = _param_bytes(Stand(weight_dtype, (n,)), weight1) == 4  # the weights it reads
         sums_block, sums_chunks, sums_parts = config.bwd_sums_layout(
-            n, max(s.element_size(), dy.element_size()), w4
+            n, max(s.element_size(), dy.element_size()), w4, weight1 is not None
         )
         sums = dict(
             BLOCK_N=sums_block,

@@ -92,6 +92,8 @@ MATRIX = (
     # The backward's row-sums pre-pass in parts of a row, whose shares a second kernel adds
     # (16-bit weights; config.bwd_sums_layout, bench/NOTES.md #84).
     + [("drop_add_ln_prenorm", 131072, BF16), ("x1_w1", 262144, BF16)]
+    # ... 16 of them for 16-bit rows without x1 at 256K (#107)
+    + [("drop_add_ln_prenorm", 262144, FP16)]
     + [("ln", 9216, FP16), ("drop_add_ln_prenorm", 10240, BF16)]
     + [("drop_add_ln_prenorm_w32", 9216, BF16)]
     # ... and of 4-byte elements: fp32 rows, bf16 x with an fp32 stream (#68)

@@ -816,6 +816,32 @@ def test_split_rows_measured_in_wider_parts(gpu_rules):
     assert config.fwd_split_wide_parts("", bf16, 131072, 2, 2) is None
 
 
+def test_split_params_evict_rule(gpu_rules):
+    """Split forward parts load their weights and biases evict_last (config.FWD_SPLIT_PARAMS_EVICT,
+    bench/NOTES.md #106), but beside weights wider than the row's elements (16-bit rows with
+    fp32 weights); rows that are not split load them with the default policy."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def evict(*args, **kwargs):
+        p = _gpu_fwd_plan(*args, **kwargs)
+        return p.constexprs["PARAMS_EVICT"], p.split > 1
+
+    for args, kwargs in (
+        ((262144, bf16), {}), ((65536, bf16, bf16), {"dropout": True}), ((131072, fp16), {}),
+        ((262144, bf16, bf16), {"rms": True}), ((131072, bf16, bf16), {"x1": True}),
+        ((262144, fp32), {"wb": 4}), ((262144, bf16, fp32), {"dropout": True}),
+    ):  # fmt: skip
+        assert evict(*args, **kwargs) == ("evict_last", True), (args, kwargs)
+    assert evict(65536, bf16, wb=4) == ("", True)  # 16-bit rows beside fp32 weights
+    assert evict(262144, bf16, bf16, dropout=True, wb=4) == ("", True)
+    assert evict(4096, bf16) == ("", False) and evict(16384, bf16) == ("", False)
+    assert config.fwd_split_params_evict(2, 2) == "evict_last"
+    assert config.fwd_split_params_evict(4, 2) == "evict_last"  # an fp32 stream, bf16 weights
+    assert config.fwd_split_params_evict(2, 4) == ""
+    with patched_config(FWD_SPLIT_PARAMS_EVICT=""):
+        assert evict(262144, bf16) == ("", True)
+
+
 def test_x1_pre_pass_column_blocks():
     """The x1 path's 16-bit rows with 16-bit weights take 4K-column blocks after the row-sums
     pre-pass (config.BWD_TILE_BYTES_X1, bench/NOTES.md #90); with 4-byte weights, 4-byte rows
@@ -940,15 +966,17 @@ def test_backward_joint_row_sums_rule():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 1 << 19), elem=st.sampled_from([2, 4]), w4=st.booleans())
-def test_backward_row_sums_parts_cover_the_row(n, elem, w4):
+@given(n=st.integers(1, 1 << 19), elem=st.sampled_from([2, 4]), w4=st.booleans(), x1=st.booleans())
+def test_backward_row_sums_parts_cover_the_row(n, elem, w4, x1):
     """The pre-pass's parts (config.bwd_sums_layout): a power of two, at most
-    BWD_SUMS_MAX_PARTS, each at least BWD_SUMS_PART_BYTES of the row unless the row has fewer
-    chunks than two parts need; together they cover the row and only the last may run past
-    it; one part with 4-byte weights (bench/NOTES.md #84)."""
-    block_n, chunks, parts = config.bwd_sums_layout(n, elem, w4)
+    BWD_SUMS_MAX_PARTS (BWD_SUMS_MAX_PARTS_16BIT for 16-bit rows without x1), each at least
+    BWD_SUMS_PART_BYTES of the row unless the row has fewer chunks than two parts need;
+    together they cover the row and only the last may run past it; one part with 4-byte
+    weights (bench/NOTES.md #84, #107)."""
+    block_n, chunks, parts = config.bwd_sums_layout(n, elem, w4, x1)
+    most = config.BWD_SUMS_MAX_PARTS_16BIT if elem == 2 and not x1 else config.BWD_SUMS_MAX_PARTS
     assert block_n * elem <= max(config.BWD_SUMS_BLOCK_BYTES, 8 * elem)
-    assert parts & (parts - 1) == 0 and 1 <= parts <= config.BWD_SUMS_MAX_PARTS
+    assert parts & (parts - 1) == 0 and 1 <= parts <= most
     assert (parts - 1) * chunks * block_n < n <= parts * chunks * block_n
     if parts > 1:
         assert chunks >= max(config.BWD_SUMS_PART_BYTES // (block_n * elem), 1)
@@ -958,16 +986,21 @@ def test_backward_row_sums_parts_cover_the_row(n, elem, w4):
 
 
 def test_backward_row_sums_parts_rule():
-    """Where the pre-pass takes parts (bench/NOTES.md #84): rows with 16-bit weights at
-    128K-256K in 8 parts (32 KB each for 16-bit rows at 128K, 64 KB beyond); fp32 rows with
-    fp32 weights and bf16 rows with fp32 weights in one; a 32 KB row in one, 64 KB in two."""
-    assert config.bwd_sums_layout(131072, 2, False) == (2048, 8, 8)
-    assert config.bwd_sums_layout(262144, 2, False) == (2048, 16, 8)
-    assert config.bwd_sums_layout(131072, 4, False) == (1024, 16, 8)  # an fp32 stream, bf16 weights
-    assert config.bwd_sums_layout(262144, 4, True) == (1024, 256, 1)
-    assert config.bwd_sums_layout(262144, 2, True) == (2048, 128, 1)
-    assert config.bwd_sums_layout(16384, 2, False) == (2048, 8, 1)
-    assert config.bwd_sums_layout(32768, 2, False) == (2048, 8, 2)
+    """Where the pre-pass takes parts (bench/NOTES.md #84, #107): rows with 16-bit weights at
+    128K-256K in 8 parts of 32 KB each for 16-bit rows at 128K; at 256K 16 parts of 32 KB, but
+    8 of 64 KB for the x1 path; fp32 rows with fp32 weights and bf16 rows with fp32 weights in
+    one; a 32 KB row in one, 64 KB in two."""
+    assert config.bwd_sums_layout(131072, 2, False, False) == (2048, 8, 8)
+    assert config.bwd_sums_layout(131072, 2, False, True) == (2048, 8, 8)
+    assert config.bwd_sums_layout(262144, 2, False, False) == (2048, 8, 16)
+    assert config.bwd_sums_layout(262144, 2, False, True) == (2048, 16, 8)
+    # an fp32 stream beside bf16 weights: 8 parts, with or without x1
+    assert config.bwd_sums_layout(131072, 4, False, False) == (1024, 16, 8)
+    assert config.bwd_sums_layout(262144, 4, False, False) == (1024, 32, 8)
+    assert config.bwd_sums_layout(262144, 4, True, False) == (1024, 256, 1)
+    assert config.bwd_sums_layout(262144, 2, True, False) == (2048, 128, 1)
+    assert config.bwd_sums_layout(16384, 2, False, False) == (2048, 8, 1)
+    assert config.bwd_sums_layout(32768, 2, False, False) == (2048, 8, 2)
 
 
 def test_backward_grid_holds_what_fits():
