@@ -680,14 +680,23 @@ FWD_WS_PREFETCH = True
 FWD_WS_PREFETCH_RMS_MAX_PARTS = 32
 FWD_WS_PREFETCH_X1_MAX_PARTS = 64
 BWD_SMEM_WS_PREFETCH = True
+# Split rows that measured faster without the prefetch, by fwd_full_row's key (row kind,
+# columns, x's dtype, element bytes, weight bytes) and whether the row has a bias: fp16
+# LayerNorm 256K with a bias, whose parts fold their masks (FWD_FULL_SPLIT_ROWS). Bench-style
+# A/B in one process (H200, 2026-11-26, bench/NOTES.md #108, calls 7-8, five rounds each):
+# 163.4 / 163.5 -> 159.8 / 160.1 us (79.0 -> 80.7% of copy). Its neighbours keep it: without a
+# bias 156.2 -> 156.8 us, bf16 155.1 -> 157.2 / 157.7, fp16 x beside fp32 weights 201.4 ->
+# 212.4, fp16 128K / 64K 154.3 / 145.7 -> 170.5 / 151.3.
+FWD_WS_PREFETCH_SKIP = frozenset({("ln", 262144, torch.float16, 2, 2, True)})
 
 
-def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool = False) -> bool:
+def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool, row: tuple) -> bool:
     """Whether a split forward's parts prefetch their row's exchange words into L2 (see
     FWD_WS_PREFETCH): on NVIDIA GPUs, but for RMSNorm of x alone (``plain`` "rms") in more
-    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts and the ``x1`` path in more than
-    FWD_WS_PREFETCH_X1_MAX_PARTS."""
-    if not FWD_WS_PREFETCH or not _nvidia(device):
+    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts, the ``x1`` path in more than
+    FWD_WS_PREFETCH_X1_MAX_PARTS and the rows of FWD_WS_PREFETCH_SKIP (``row``: the key
+    fwd_full_row takes, then whether the row has a bias)."""
+    if not FWD_WS_PREFETCH or not _nvidia(device) or row in FWD_WS_PREFETCH_SKIP:
         return False
     if x1:
         return split <= FWD_WS_PREFETCH_X1_MAX_PARTS

@@ -374,6 +374,9 @@ def _fwd_plan(
     row_kind = plain or ("x1" if has_x1 else "dropout" if dropout else "add")
     full_row = config.fwd_full_row(n, kernel_block, num_chunks, split, fills, row_kind, x_dtype,
                                    elem_bytes, weight_bytes)  # fmt: skip
+    ws_prefetch = split > 1 and config.fwd_ws_prefetch(
+        plain, split, dev, has_x1, (row_kind, n, x_dtype, elem_bytes, weight_bytes, has_bias)
+    )
     constexprs = dict(
         BLOCK_N=kernel_block,
         TAIL_N=tail,
@@ -400,7 +403,7 @@ def _fwd_plan(
         EVICT_FIRST_SWEEP=config.FWD_CHUNK_EVICT[0] if num_chunks > 1 else "",
         EVICT_SECOND_SWEEP=config.FWD_CHUNK_EVICT[1] if num_chunks > 1 else "",
         UNROLL=config.fwd_chunk_unroll(lane, num_chunks),
-        WS_PREFETCH=split > 1 and config.fwd_ws_prefetch(plain, split, dev, has_x1),
+        WS_PREFETCH=ws_prefetch,
         EARLY_PARAMS=config.fwd_early_params(plain, n, fills, tail, rows, elem_bytes, weight_bytes),
         FULL_ROW=full_row,  # the width as a constant where it measured faster
         # Dropout seeds derived from the call's key (seeds_from_key below): stored after the

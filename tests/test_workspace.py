@@ -373,17 +373,17 @@ def test_sweep_reads_the_forward_plan():
 def test_prefetch_rules_through_the_plans():
     """config.fwd_ws_prefetch / BWD_SMEM_WS_PREFETCH through ops' plans (bench/NOTES.md #77):
     a split forward's parts prefetch their row's words on an NVIDIA GPU, but RMSNorm of x alone
-    in more than 32 parts and the x1 path in more than 64, and no unsplit row or interpreted
-    launch does; the sliced Gluon backward prefetches its row block's words, the whole-row one
-    has none to."""
+    in more than 32 parts, the x1 path in more than 64 and fp16 LayerNorm 256K with a bias
+    (#108), and no unsplit row or interpreted launch does; the sliced Gluon backward prefetches
+    its row block's words, the whole-row one has none to."""
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     bf16 = torch.bfloat16
     with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
 
-        def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False):
+        def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False, bias=True):
             p = ops._fwd_plan(
-                dev, n, dtype, dtype, residual, dtype if x1 else None, residual, not rms, x1,
-                x1, False, False, False, False, rms, False,
+                dev, n, dtype, dtype, residual, dtype if x1 else None, residual, bias and not rms,
+                x1, x1, False, False, False, False, rms, False,
             )  # fmt: skip
             return p.split, p.constexprs["WS_PREFETCH"]
 
@@ -396,6 +396,13 @@ def test_prefetch_rules_through_the_plans():
         assert fwd(131072, FP32, False, residual=FP32, x1=True) == (64, True)  # the x1 path
         assert fwd(262144, BF16, False, residual=FP32, x1=True) == (128, False)
         assert fwd(262144, BF16, False, residual=BF16, x1=True) == (64, True)
+        # fp16 LayerNorm 256K with a bias takes none (FWD_WS_PREFETCH_SKIP, #108); without a
+        # bias, at 128K or in bf16 it does
+        assert fwd(262144, torch.float16, False) == (64, False)
+        assert fwd(262144, torch.float16, False, bias=False) == (64, True)
+        assert fwd(131072, torch.float16, False)[1] and fwd(262144, bf16, False)[1]
+        with patched_config(FWD_WS_PREFETCH_SKIP=frozenset()):
+            assert fwd(262144, torch.float16, False) == (64, True)
         assert fwd(4096, bf16, False) == (1, False)  # unsplit: no words
         assert not fwd(131072, bf16, False, dev=cpu)[1]  # the interpreter: no inline PTX
         with patched_config(FWD_WS_PREFETCH=False):
