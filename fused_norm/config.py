@@ -713,7 +713,7 @@ def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool, row:
 # 533.1, the x1 path 128K 410.1 -> 408.7; even for RMSNorm bf16 128K-256K, an fp32 stream, fp32
 # LayerNorm 256K (304.9 -> 303.7). But 16-bit rows beside 4-byte weights lost (LayerNorm bf16 x,
 # fp32 weights, 32K / 64K 153.0 / 161.0 -> 153.8 / 163.5 us): their weights keep the default.
-# Loading x evict_first lost 1-12 us everywhere, and streaming stores (.cs) were even.
+# Loading x evict_first lost 1-19 us everywhere, and streaming stores (.cs) were even.
 FWD_SPLIT_PARAMS_EVICT = "evict_last"
 
 
