@@ -1052,11 +1052,12 @@ BWD_SUMS_WARPS = 8
 BWD_SUMS_PART_BYTES = 32768
 BWD_SUMS_MAX_PARTS = 8
 # ... but 16-bit rows without the x1 path take up to this many parts (bwd_sums_layout): 16 of
-# 32 KB at 256K columns. Bench-style A/B in one process (H200, 2026-11-26, bench/NOTES.md #107),
-# dropout + add + LayerNorm 256K forward + backward, 8 -> 16 parts: bf16 780.4 -> 780.1 and
-# 776.2 -> 773.8 us (the backward 486.0 -> 483.3, 482.8 -> 483.3), fp16 776.1 -> 772.0 (the
-# backward 484.2 -> 480.2), as in #91 (783.0 -> 776.9, 783.3 -> 779.8); the x1 path lost (bf16
-# 932.1 -> 934.6 us, fp16 939.6 -> 943.0) and keeps 8.
+# 32 KB at 256K columns. Bench-style A/B in one process (H200, 2026-11-26, bench/NOTES.md #107,
+# calls 3-5), dropout + add + LayerNorm 256K forward + backward, 8 -> 16 parts: bf16 780.4 ->
+# 780.1, 776.2 -> 773.8 and 778.4 -> 776.0 us (the backward alone within 3 us either way: 486.0
+# -> 483.3, 482.8 -> 483.3), fp16 776.1 -> 772.0 and 779.6 -> 774.6 (the backward 484.2 ->
+# 480.2), as in #91 (783.0 -> 776.9, 783.3 -> 779.8); add + LayerNorm with prenorm 682.6 ->
+# 681.4. The x1 path lost (bf16 932.1 -> 934.6 us, fp16 939.6 -> 943.0) and keeps 8.
 BWD_SUMS_MAX_PARTS_16BIT = 16
 BWD_SUMS_ADD_ROWS = 128  # rows per program of the shares' sum, and its warps
 BWD_SUMS_ADD_WARPS = 4

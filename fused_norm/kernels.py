@@ -687,7 +687,7 @@ def _fwd_split_row(
     # (config.fwd_split_params_evict).
     _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                     ZERO_CENTERED_WEIGHT, None, PARAMS_EVICT)  # fmt: skip
+                     ZERO_CENTERED_WEIGHT, EVICT=PARAMS_EVICT)  # fmt: skip
 
 
 @triton.jit

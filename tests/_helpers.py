@@ -592,7 +592,8 @@ def check_case(
 class max_block_bytes:
     """Context manager: cap the forward's and the backward's block at ``value`` bytes
     (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``,
-    ``BWD_EXCHANGE_TILE_BYTES``, the pre-pass's ``BWD_SUMS_BLOCK_BYTES``), forcing the chunked
+    ``BWD_TILE_BYTES_X1``, ``BWD_EXCHANGE_TILE_BYTES``, the pre-pass's
+    ``BWD_SUMS_BLOCK_BYTES``), forcing the chunked
     forward and the backward's column blocks (which exchange their row sums, or with
     ``BWD_EXCHANGE`` off take the row-sums pre-pass, whose parts are then two chunks:
     ``BWD_SUMS_PART_BYTES``); None leaves them alone. Restored on exit, also on failure."""
@@ -602,6 +603,7 @@ class max_block_bytes:
         "BWD_MAX_BLOCK_BYTES",
         "BWD_MAX_BLOCK_BYTES_MULTI",
         "BWD_TILE_BYTES",
+        "BWD_TILE_BYTES_X1",
         "BWD_EXCHANGE_TILE_BYTES",
         "BWD_SUMS_BLOCK_BYTES",
     )

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import DEVICE, patched_config
+from _helpers import DEVICE, max_block_bytes, patched_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -1001,6 +1001,48 @@ def test_backward_row_sums_parts_rule():
     assert config.bwd_sums_layout(262144, 2, True, False) == (2048, 128, 1)
     assert config.bwd_sums_layout(16384, 2, False, False) == (2048, 8, 1)
     assert config.bwd_sums_layout(32768, 2, False, False) == (2048, 8, 2)
+
+
+def test_backward_row_sums_parts_through_the_backward(monkeypatch):
+    """The backward asks bwd_sums_layout whether the row has x1's second weight (#107): in a
+    16-bit row with dropout the pre-pass takes BWD_SUMS_MAX_PARTS_16BIT parts, in the x1 path's
+    BWD_SUMS_MAX_PARTS (here 4 and 2: 64-byte chunks, parts of two, 512 columns); the
+    gradients of either count of parts match those of one part."""
+    if not fused_norm.autograd.use_kernels(torch.empty(1, device=DEVICE)):
+        pytest.skip("the Triton kernels do not run here (no GPU, no TRITON_INTERPRET)")
+    seen = []
+    layout = config.bwd_sums_layout
+
+    def spy(n_cols, elem_bytes, w4, x1):
+        got = layout(n_cols, elem_bytes, w4, x1)
+        seen.append((x1, got[2]))
+        return got
+
+    monkeypatch.setattr(config, "bwd_sums_layout", spy)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    n, bf16 = 512, torch.bfloat16
+
+    def grads(x1):
+        x, res, x1t = (torch.randn(3, n, generator=gen, device=DEVICE).to(bf16) for _ in range(3))
+        w, b, w1, b1 = (torch.randn(n, generator=gen, device=DEVICE).to(bf16) for _ in range(4))
+        leaves = [t.requires_grad_() for t in (x, res, w, b)]
+        kw = dict(x1=x1t, weight1=w1, bias1=b1) if x1 else dict(dropout_p=0.25)
+        runs = []
+        for most in (4, 1):
+            with patched_config(BWD_SUMS_MAX_PARTS=min(most, 2), BWD_SUMS_MAX_PARTS_16BIT=most):
+                torch.manual_seed(5)
+                outs = fused_norm.layer_norm_fn(x, w, b, residual=res, prenorm=True, **kw)
+                gy = [torch.ones_like(o) for o in outs]
+                runs.append(torch.autograd.grad(outs, leaves, gy))
+        for a, c in zip(*runs):
+            torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
+
+    with max_block_bytes(64), patched_config(BWD_EXCHANGE=False):
+        grads(x1=False)
+        assert seen[0] == (False, 4), seen
+        seen.clear()
+        grads(x1=True)
+        assert seen[0] == (True, 2), seen
 
 
 def test_backward_grid_holds_what_fits():
