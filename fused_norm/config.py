@@ -690,17 +690,18 @@ BWD_SMEM_WS_PREFETCH = True
 FWD_WS_PREFETCH_SKIP = frozenset({("ln", 262144, torch.float16, 2, 2, True)})
 
 
-def fwd_ws_prefetch(plain: str, split: int, device: torch.device, x1: bool, row: tuple) -> bool:
+def fwd_ws_prefetch(split: int, device: torch.device, row: tuple) -> bool:
     """Whether a split forward's parts prefetch their row's exchange words into L2 (see
-    FWD_WS_PREFETCH): on NVIDIA GPUs, but for RMSNorm of x alone (``plain`` "rms") in more
-    than FWD_WS_PREFETCH_RMS_MAX_PARTS parts, the ``x1`` path in more than
-    FWD_WS_PREFETCH_X1_MAX_PARTS and the rows of FWD_WS_PREFETCH_SKIP (``row``: the key
-    fwd_full_row takes, then whether the row has a bias)."""
+    FWD_WS_PREFETCH): on NVIDIA GPUs, but for RMSNorm of x alone in more than
+    FWD_WS_PREFETCH_RMS_MAX_PARTS parts, the x1 path in more than FWD_WS_PREFETCH_X1_MAX_PARTS
+    and the rows of FWD_WS_PREFETCH_SKIP. ``row``: the key fwd_full_row takes (its row kind
+    first: "rms" for RMSNorm of x alone, "x1" for the x1 path), then whether the row has a
+    bias."""
     if not FWD_WS_PREFETCH or not _nvidia(device) or row in FWD_WS_PREFETCH_SKIP:
         return False
-    if x1:
+    if row[0] == "x1":
         return split <= FWD_WS_PREFETCH_X1_MAX_PARTS
-    return not (plain == "rms" and split > FWD_WS_PREFETCH_RMS_MAX_PARTS)
+    return not (row[0] == "rms" and split > FWD_WS_PREFETCH_RMS_MAX_PARTS)
 
 
 # A split part loads its columns' weights and biases after the wait, from L2, where every row's

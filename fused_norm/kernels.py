@@ -615,10 +615,7 @@ def _fwd_split_row(
         word = _pack_stats(tl.zeros((), dtype=tl.float32), tl.sum(s * s, axis=0))
     else:
         total, squares = _sums(s, 0)
-        if FULL_ROW:
-            mean_p = total / BLOCK_N
-        else:
-            mean_p = total / tl.minimum(N - col0, BLOCK_N).to(tl.float32)
+        mean_p = total / _part_cols(N, col0, BLOCK_N, FULL_ROW)
         m2 = squares - total * mean_p
         if _cancels(squares, m2):
             if not HOLD:
@@ -673,10 +670,7 @@ def _fwd_split_row(
     else:
         means = tl.where(pmask, (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
                          0.0)  # fmt: skip
-        if FULL_ROW:
-            counts = tl.where(pmask, BLOCK_N, 0).to(tl.float32)
-        else:
-            counts = tl.where(pmask, tl.minimum(N - parts * BLOCK_N, BLOCK_N), 0).to(tl.float32)
+        counts = tl.where(pmask, _part_cols(N, parts * BLOCK_N, BLOCK_N, FULL_ROW), 0.0)
         mean = tl.sum(counts * means, axis=0) / N
         dm = tl.where(pmask, means - mean, 0.0)
         rstd = 1.0 / tl.sqrt((tl.sum(m2s, axis=0) + tl.sum(counts * dm * dm, axis=0)) / N + eps)
@@ -688,6 +682,17 @@ def _fwd_split_row(
     _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                      stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
                      ZERO_CENTERED_WEIGHT, EVICT=PARAMS_EVICT)  # fmt: skip
+
+
+@triton.jit
+def _part_cols(N, start, BLOCK_N: tl.constexpr, FULL_ROW: tl.constexpr):
+    """Columns of the row in the split part(s) starting at column ``start``, as fp32: BLOCK_N
+    where every part is whole (FULL_ROW: a constant), else what is left of N, at most
+    BLOCK_N."""
+    if FULL_ROW:
+        return tl.full((), BLOCK_N, tl.float32)
+    else:
+        return tl.minimum(N - start, BLOCK_N).to(tl.float32)
 
 
 @triton.jit

@@ -375,7 +375,7 @@ def _fwd_plan(
     full_row = config.fwd_full_row(n, kernel_block, num_chunks, split, fills, row_kind, x_dtype,
                                    elem_bytes, weight_bytes)  # fmt: skip
     ws_prefetch = split > 1 and config.fwd_ws_prefetch(
-        plain, split, dev, has_x1, (row_kind, n, x_dtype, elem_bytes, weight_bytes, has_bias)
+        split, dev, (row_kind, n, x_dtype, elem_bytes, weight_bytes, has_bias)
     )
     constexprs = dict(
         BLOCK_N=kernel_block,
