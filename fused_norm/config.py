@@ -725,6 +725,64 @@ def fwd_split_params_evict(elem_bytes: int, weight_bytes: int) -> str:
     return "" if weight_bytes > elem_bytes else FWD_SPLIT_PARAMS_EVICT
 
 
+def _triton_version() -> tuple:
+    """(major, minor) of the Triton installed, (0, 0) where its version does not parse."""
+    try:
+        import triton
+
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (ImportError, ValueError):
+        return (0, 0)
+
+
+TRITON_VERSION = _triton_version()
+
+# LayerNorm-type split parts (not RMSNorm) compiled by Triton 3.9 or later count their columns
+# in 32 bits (kernels._fwd_split_row's PART_I32: the part's index as int32, so its column
+# index, weight, bias and output offsets too). With the 64-bit index Triton 3.9 keeps one
+# 64-bit offset per 16-byte vector of the part live from the loads to the stores, where 3.6
+# and 3.7 fold them into one base and immediates: offline (sm_90) LayerNorm bf16 64K-256K
+# columns 62 -> 94 registers (16 -> 10 parts per SM), fp32 64 -> 84, dropout + add + LayerNorm
+# fp32 125 -> 146, the x1 path bf16 96 -> 125. Measured on an H200 by launching the cubins
+# Triton 3.9 compiles offline through the device's launcher (bench/NOTES.md #110; bench-style,
+# three rounds, 2026-11-26), 64-bit -> 32-bit index, both compiled by 3.9: LayerNorm bf16 64K
+# / 128K / 256K 176.8 / 204.6 / 212.7 -> 152.8 / 160.7 / 165.9 us (the device's 3.6 compile:
+# 143.6 / 148.3 / 155.5), fp16 64K / 128K 171.6 / 180.0 -> 150.2 / 153.5, fp32 64K / 128K /
+# 256K 322.6 / 336.9 / 373.2 -> 294.4 / 299.8 / 328.2, dropout + add + LayerNorm fp32 64K /
+# 128K / 256K 594.0 / 613.8 / 690.8 -> 546.2 / 558.7 / 602.0, bf16 64K-256K 0.5-1.0% faster,
+# the x1 path bf16 32K-256K 455.2-523.5 -> 422.2-455.5 (faster than 3.6's compile), fp16 64K
+# 434.3 -> 417.1, fp32 64K / 256K 837.1 / 889.6 -> 823.8 / 879.4. Slower with it, so left out
+# (FWD_SPLIT_PART_I32_SKIP, by row kind, columns and x's dtype): fp16 LayerNorm 256K 151.9 ->
+# 156.2 us, fp16 dropout + LayerNorm 64K 269.2 -> 272.4, fp32 dropout + LayerNorm 32K 530.3 ->
+# 542.5, fp32 LayerNorm 32K 278.9 -> 280.4, the x1 path fp16 256K 497.7 -> 502.3. RMSNorm's
+# parts lost with it on 3.9 (bf16 256K 150.6 -> 157.7, add + RMSNorm bf16 256K 270.7 -> 273.9)
+# and keep the 64-bit index. On 3.6, the device's, the 32-bit index lost as often as it gained
+# (RMSNorm bf16 256K 144.9 -> 152.0, fp32 LayerNorm 256K 303.5 -> 312.6; dropout + LayerNorm
+# fp32 64K 548.4 -> 539.5): every row there keeps the 64-bit index and the same SASS. Triton
+# 3.8, unmeasured, compiles LayerNorm bf16's parts to 168 registers either way (offline).
+FWD_SPLIT_PART_I32_FROM = (3, 9)
+FWD_SPLIT_PART_I32_SKIP = {
+    ("ln", 262144, torch.float16),
+    ("dropout", 65536, torch.float16),
+    ("dropout", 32768, torch.float32),
+    ("ln", 32768, torch.float32),
+    ("x1", 262144, torch.float16),
+}
+
+
+def fwd_split_part_i32(row_kind: str, n_cols: int, x_dtype: torch.dtype, is_rms_norm: bool,
+                       version: tuple = None) -> bool:  # fmt: skip
+    """Whether a split forward part counts its columns in 32 bits (kernels' PART_I32): on
+    Triton FWD_SPLIT_PART_I32_FROM or later (``version``, TRITON_VERSION by default), for
+    rows that are not RMSNorm (``row_kind`` as fwd_full_row's key: "ln", "add", "dropout",
+    "x1"), but those in FWD_SPLIT_PART_I32_SKIP by (row_kind, ``n_cols``, ``x_dtype``)."""
+    version = TRITON_VERSION if version is None else version
+    if is_rms_norm or version < FWD_SPLIT_PART_I32_FROM:
+        return False
+    return (row_kind, n_cols, x_dtype) not in FWD_SPLIT_PART_I32_SKIP
+
+
 def fwd_split(
     n_cols: int,
     elem_bytes: int,

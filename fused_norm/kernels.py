@@ -559,6 +559,7 @@ def _fwd_split_row(
     ZERO_CENTERED_WEIGHT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
     SUB_N: tl.constexpr, BOUNDED_WAIT: tl.constexpr, HOLD: tl.constexpr,
     WS_PREFETCH: tl.constexpr, FULL_ROW: tl.constexpr, PARAMS_EVICT: tl.constexpr,
+    PART_I32: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-column part of a row split over SPLIT programs (rows too wide for one).
 
@@ -589,6 +590,8 @@ def _fwd_split_row(
         tl.store(WS_NEXT + pid, tl.zeros((), dtype=tl.int64))
     row = pid // SPLIT
     part = pid % SPLIT
+    if PART_I32:  # the part's columns counted in 32 bits (config.fwd_split_part_i32)
+        part = part.to(tl.int32)
     col0 = part * BLOCK_N
     ccols = col0 + cols
     # FULL_ROW (parts of whole blocks, config.FWD_FULL_SPLIT_ROWS): the mask folds and every
@@ -791,6 +794,7 @@ def _fused_norm_fwd_kernel(
     FULL_ROW: tl.constexpr,  # rows that fill their blocks or parts (config.fwd_full_row)
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
     PARAMS_EVICT: tl.constexpr = NO_EVICT,  # split rows: the weights' eviction policy
+    PART_I32: tl.constexpr = False,  # split rows: 32-bit column index (config.fwd_split_part_i32)
 ):  # fmt: skip
     if FULL_ROW and SPLIT == 1:  # the width as a constant: the masks fold (config.fwd_full_row)
         N = NUM_CHUNKS * BLOCK_N + TAIL_N
@@ -809,6 +813,7 @@ def _fused_norm_fwd_kernel(
             BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_RESIDUAL, HAS_X1, HAS_W1, HAS_B1, HAS_ROWSCALE,
             HAS_LAYERSCALE, HAS_DROPOUT, STORE_MASK, STORE_RESIDUAL_OUT, ZERO_CENTERED_WEIGHT,
             SPLIT, SPLIT_P2, SUB_N, BOUNDED_WAIT, HOLD, WS_PREFETCH, FULL_ROW, PARAMS_EVICT,
+            PART_I32,
         )  # fmt: skip
     elif NUM_CHUNKS == 1:
         if ROWS_PER_PROGRAM == 1:  # no loop: the weights' loads stay where they are used

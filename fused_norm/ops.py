@@ -411,6 +411,7 @@ def _fwd_plan(
         # faster (bench/NOTES.md #80).
         SEEDS_LAST=not has_x1 and (split > 1 or num_warps < 16),
         PARAMS_EVICT=config.fwd_split_params_evict(elem_bytes, weight_bytes) if split > 1 else "",
+        PART_I32=split > 1 and config.fwd_split_part_i32(row_kind, n, x_dtype, is_rms_norm),
     )
     maxnreg = (
         own[1]

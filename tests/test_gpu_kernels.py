@@ -339,6 +339,40 @@ def test_gpu_split_rows_match_chunked(name, monkeypatch):
             torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2**-7, msg=label)
 
 
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_gpu_split_rows_with_32_bit_index(name, monkeypatch):
+    """Split rows whose parts count their columns in 32 bits (kernels' PART_I32, the rule on
+    Triton 3.9 and later: config.fwd_split_part_i32) match the fp64 reference, and their
+    forward gives bitwise the outputs of the 64-bit index."""
+    from fused_norm import config, ops
+
+    case = SPLIT_CASES[name]
+    asked = []
+
+    def always(*args, **kwargs):
+        asked.append(args)
+        return True
+
+    monkeypatch.setattr(config, "fwd_split_part_i32", always)
+    check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
+    assert asked, "no split forward asked for its index width"
+    t = make_inputs(case, "cuda")
+    seeds = torch.randint(0, 2**31, (2 * case.shape[0],), device="cuda")
+    x2 = {k: (v.detach() if v is not None else None) for k, v in t.items()}
+    args = (x2["x"], x2["weight"], x2["bias"], x2["residual"], x2["x1"], x2["weight1"],
+            x2["bias1"], None, None, seeds if case.dropout_p else None, case.eps,
+            case.dropout_p, case.is_rms_norm, False, case.dtype, case.stream_dtype, True, True)  # fmt: skip
+    narrow = ops.fused_norm_fwd(*args)
+    monkeypatch.setattr(config, "fwd_split_part_i32", lambda *args, **kwargs: False)
+    wide = ops.fused_norm_fwd(*args)
+    names = ("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
+    for label, a, b in zip(names, narrow, wide):
+        if a is None:
+            assert b is None, label
+        else:
+            assert_bitwise_equal(label, a, b)
+
+
 def test_gpu_split_rows_many_programs():
     """Far more split programs than the GPU holds at once (4097 rows x 4 parts): every row is
     normalised (the ticket order lets each row's parts meet; a lost or repeated ticket would

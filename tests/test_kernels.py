@@ -57,6 +57,7 @@ EXAMPLES_EARLY = 40
 EXAMPLES_FULL_ROWS = 30
 EXAMPLES_FULL_CHUNKED = 30
 EXAMPLES_FULL_SPLIT = 30
+EXAMPLES_PART_I32 = 15
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -391,6 +392,31 @@ def test_split_full_rows_match_masked_rows(case):
     count_example("test_split_full_rows_match_masked_rows")
     _full_rows_match_masked(case, split_rows(64), {"FWD_FULL_SPLIT_ROWS": _Everything()},
                             {"FWD_FULL_SPLIT_ROWS": frozenset()}, "split forward")  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES_PART_I32)
+@given(case=cases("fn", max_n=320, max_rows=4, min_n=17))
+def test_split_parts_with_32_bit_index_match(case):
+    """Split rows (64-byte parts) whose parts count their columns in 32 bits (kernels'
+    PART_I32, taken on Triton 3.9 and later: config.fwd_split_part_i32) match the reference,
+    every flag drawn, and give bitwise the outputs of the same parts with the 64-bit index."""
+    count_example("test_split_parts_with_32_bit_index_match")
+    t = make_inputs(case)
+    asked = []
+
+    def always(*args, **kwargs):
+        asked.append(args)
+        return True
+
+    with split_rows(64):
+        with patched_config(fwd_split_part_i32=always):
+            narrow = check_case(case, "fn", t=t)[0]
+        assert asked, "no split forward asked for its index width"
+        with patched_config(fwd_split_part_i32=lambda *args, **kwargs: False), torch.no_grad():
+            torch.manual_seed(case.seed)
+            wide = call_fused(case, t)[0]
+    for name in wide:
+        assert_bitwise_equal(name, narrow[name].detach(), wide[name])
 
 
 @triton.jit

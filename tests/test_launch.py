@@ -842,6 +842,60 @@ def test_split_params_evict_rule(gpu_rules):
         assert evict(262144, bf16) == ("", True)
 
 
+def test_split_part_i32_rule(gpu_rules, monkeypatch):
+    """Split forward parts count their columns in 32 bits (kernels' PART_I32,
+    config.fwd_split_part_i32, bench/NOTES.md #110) where Triton 3.9 or later compiles them and
+    the row is not RMSNorm, but the rows in FWD_SPLIT_PART_I32_SKIP (measured slower with it);
+    on 3.6 and 3.7 never; rows that are not split never."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def i32(*args, **kwargs):
+        p = _gpu_fwd_plan(*args, **kwargs)
+        return p.constexprs["PART_I32"], p.split > 1
+
+    for version, later in (((3, 6), False), ((3, 7), False), ((3, 9), True), ((4, 0), True)):
+        monkeypatch.setattr(config, "TRITON_VERSION", version)
+        for args, kwargs in (
+            ((65536, bf16), {}), ((262144, bf16), {}), ((131072, fp16), {}), ((262144, fp32), {}),
+            ((262144, bf16, bf16), {"dropout": True}), ((131072, fp32, fp32), {"dropout": True}),
+            ((131072, bf16, bf16), {"x1": True}), ((65536, fp16, fp16), {"x1": True}),
+        ):  # fmt: skip
+            assert i32(*args, **kwargs) == (later, True), (version, args, kwargs)
+        for args, kwargs in (
+            ((262144, bf16), {"rms": True}), ((262144, bf16, bf16), {"rms": True}),
+            ((65536, fp16), {"rms": True}),
+            ((262144, fp16), {}), ((65536, fp16, fp16), {"dropout": True}),  # skipped
+            ((32768, fp32, fp32), {"dropout": True}), ((32768, fp32), {}),
+            ((262144, fp16, fp16), {"x1": True}),
+        ):  # fmt: skip
+            assert i32(*args, **kwargs) == (False, True), (version, args, kwargs)
+        assert i32(16384, bf16) == (False, False) and i32(4096, fp32) == (False, False)
+    assert config.fwd_split_part_i32("ln", 262144, bf16, False, (3, 9))
+    assert not config.fwd_split_part_i32("ln", 262144, bf16, False, (3, 8))
+    assert not config.fwd_split_part_i32("rms", 262144, bf16, True, (3, 9))
+
+
+def test_launch_options_ask_for_fp_fusion():
+    """Every launch asks for floating-point fusion (FMA contraction) by name
+    (launch._options), what the kernels were measured with: Triton 3.9 warns at a compile that
+    leaves it to the default, which turns it off from 3.10. Where Triton has the 3.9 rule
+    (knobs.language.fp_fusion_enabled), the option asked for resolves to fusion on, with no
+    warning."""
+    import warnings
+
+    import triton
+
+    for pdl in (False, True):
+        options = launch._options(4, None, 64, pdl)
+        assert options["enable_fp_fusion"] is True, options
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    if hasattr(language, "fp_fusion_enabled"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert language.fp_fusion_enabled(options["enable_fp_fusion"]) is True
+        assert not [w for w in seen if "FP_FUSION" in str(w.message)], seen
+
+
 def test_x1_pre_pass_column_blocks():
     """The x1 path's 16-bit rows with 16-bit weights take 4K-column blocks after the row-sums
     pre-pass (config.BWD_TILE_BYTES_X1, bench/NOTES.md #90); with 4-byte weights, 4-byte rows
