@@ -40,6 +40,22 @@ class _Settings(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Settings
 
+
+def _triton_version() -> tuple:
+    """(major, minor) of the Triton installed, (0, 0) where its version does not parse."""
+    try:
+        import triton
+
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (ImportError, ValueError):
+        return (0, 0)
+
+
+# The Triton installed, (major, minor): a few launch choices differ by the compiler that
+# compiles the kernels (fwd_full_row, fwd_split_part_i32).
+TRITON_VERSION = _triton_version()
+
 # Widest row held whole in registers, in bytes of the widest row tensor read. Beyond it the
 # kernels loop over chunks of MAX_BLOCK_BYTES. 64 KB is where register-resident rows stop paying
 # on Hopper (flash-attn and Liger cap there too); see bench/NOTES.md.
@@ -345,6 +361,34 @@ FWD_FULL_SPLIT_ROWS = frozenset({
 })  # fmt: skip
 
 
+# On Triton 3.9 and later every split row of whole parts folds its masks (FULL_ROW), but
+# those in FWD_FULL_SPLIT_SKIP_39. In Triton 3.9's SASS of a masked part each 16-byte load
+# of x has a predicate of its own, and the last loads issue only after the arithmetic on the
+# first (LayerNorm bf16 at 256K: 6 of the 8 at once, the other 2 some 190 instructions later;
+# 3.6's SASS issues all 8 before that arithmetic, sharing predicates; offline, sm_90). Folded,
+# 3.9 issues all 8 together (at 78 registers instead of 62). Bench-style A/B of cubins compiled offline by Triton 3.9
+# and launched on an H200 (2026-11-26, bench/NOTES.md #111, three rounds), masked -> folded,
+# with #110's 32-bit index: LayerNorm bf16 64K / 128K / 256K 152.8 / 161.1 / 166.0 -> 141.8 /
+# 154.6 / 162.7 us (the device's 3.6: 143.5 / 148.6 / 155.3), fp16 64K 151.0 -> 144.2, fp32
+# 64K / 128K / 256K 294.4 / 301.1 / 329.7 -> 276.6 / 281.1 / 306.5, beside fp32 weights 64K /
+# 128K / 256K 177.4 / 189.3 / 198.6 -> 163.8 / 177.8 / 184.7; RMSNorm bf16 128K 149.8 -> 139.8,
+# fp16 64K / 128K / 256K 157.1 / 161.4 / 160.2 -> 151.0 / 144.5 / 153.9, fp32 256K 301.6 ->
+# 292.4; dropout + add + LayerNorm bf16 128K / 256K 288.5 / 295.8 -> 283.5 / 290.3, fp32 64K /
+# 256K 544.9 / 596.0 -> 531.0 / 572.5; the x1 path fp16 256K 431.2 -> 407.0; the rest within
+# 0.5%. Slower folded, so kept masked (keys as FWD_FULL_SPLIT_ROWS'): dropout + add +
+# LayerNorm bf16 beside fp32 weights 64K / 256K 283.2 / 307.6 -> 287.1 / 312.1 (2 bytes
+# spilled), fp32 32K 525.7 -> 530.2, RMSNorm bf16 64K 141.1-142.0 -> 142.0-143.3 (two calls),
+# the x1 path bf16 256K 418.2-418.8 -> 418.5-421.6.
+FWD_FULL_SPLIT_FROM = (3, 9)
+FWD_FULL_SPLIT_SKIP_39 = frozenset({
+    ("dropout", 65536, torch.bfloat16, 2, 4),
+    ("dropout", 262144, torch.bfloat16, 2, 4),
+    ("dropout", 32768, torch.float32, 4, 4),
+    ("rms", 65536, torch.bfloat16, 2, 2),
+    ("x1", 262144, torch.bfloat16, 2, 2),
+})  # fmt: skip
+
+
 def fwd_full_row(
     n_cols: int, kernel_block: int, num_chunks: int, split: int, fills: bool, row_kind: str,
     x_dtype: torch.dtype, elem_bytes: int, weight_bytes: int,
@@ -354,12 +398,17 @@ def fwd_full_row(
     (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), a chunked row of
     ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS; chunked rows have no tail:
     block_tail), or a row of ``split`` whole parts that FWD_FULL_SPLIT_ROWS holds (with
-    ``x_dtype``). FWD_FULL_ROWS switches all off."""
+    ``x_dtype``), or, compiled by Triton FWD_FULL_SPLIT_FROM or later (TRITON_VERSION), that
+    FWD_FULL_SPLIT_SKIP_39 does not hold. FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
     if split > 1:
         key = (row_kind, n_cols, x_dtype, elem_bytes, weight_bytes)
-        return n_cols == split * kernel_block and key in FWD_FULL_SPLIT_ROWS
+        if n_cols != split * kernel_block:
+            return False
+        if TRITON_VERSION >= FWD_FULL_SPLIT_FROM:
+            return key in FWD_FULL_SPLIT_ROWS or key not in FWD_FULL_SPLIT_SKIP_39
+        return key in FWD_FULL_SPLIT_ROWS
     if num_chunks == 1:
         key = (row_kind, n_cols, elem_bytes, weight_bytes)
         return fills and key not in FWD_MASKED_FULL_ROWS
@@ -724,19 +773,6 @@ def fwd_split_params_evict(elem_bytes: int, weight_bytes: int) -> str:
     widest element (``weight_bytes`` > ``elem_bytes``: 16-bit rows beside fp32 weights)."""
     return "" if weight_bytes > elem_bytes else FWD_SPLIT_PARAMS_EVICT
 
-
-def _triton_version() -> tuple:
-    """(major, minor) of the Triton installed, (0, 0) where its version does not parse."""
-    try:
-        import triton
-
-        major, minor = triton.__version__.split(".")[:2]
-        return int(major), int(minor)
-    except (ImportError, ValueError):
-        return (0, 0)
-
-
-TRITON_VERSION = _triton_version()
 
 # LayerNorm-type split parts (not RMSNorm) compiled by Triton 3.9 or later count their columns
 # in 32 bits (kernels._fwd_split_row's PART_I32: the part's index as int32, so its column

@@ -388,10 +388,12 @@ def test_split_full_rows_match_masked_rows(case):
     """Split rows (64-byte parts) of whole parts that fold their parts' masks and counts
     (config.fwd_full_row with every row in FWD_FULL_SPLIT_ROWS, kernels._fwd_split_row's
     FULL_ROW) match the reference, every flag drawn, and give bitwise the outputs of the
-    same parts with their masks."""
+    same parts with their masks (FWD_FULL_SPLIT_ROWS empty, and no Triton version folding
+    them all: FWD_FULL_SPLIT_FROM)."""
     count_example("test_split_full_rows_match_masked_rows")
+    masked = {"FWD_FULL_SPLIT_ROWS": frozenset(), "FWD_FULL_SPLIT_FROM": (99, 0)}
     _full_rows_match_masked(case, split_rows(64), {"FWD_FULL_SPLIT_ROWS": _Everything()},
-                            {"FWD_FULL_SPLIT_ROWS": frozenset()}, "split forward")  # fmt: skip
+                            masked, "split forward")  # fmt: skip
 
 
 @settings(max_examples=EXAMPLES_PART_I32)
