@@ -632,21 +632,35 @@ def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1:
     return not (block_n == 16384 and tail == 0 and elem_bytes == 2 and not dropout and not x1)
 
 
+# RMSNorm's backward (one partial, no dropout) in one padded 8192-column block on 8 warps
+# (4097-8192 columns) of fp16 rows: triton 3.6 compiles it to 193 registers, one program per
+# SM, where bf16 rows take 128 (two). Triton 3.9's compile of it takes 128 and ran 263.1 ->
+# 233.0 us at 8192 columns (bench/NOTES.md #112). Capped at 128 (offline, triton 3.6, sm_90:
+# no spills), bench-style A/B (H200, 2026-11-26, four rounds), uncapped -> capped: backward
+# 8192 / 6144 columns 262.1 / 298.8 -> 210.8 / 219.0 us (73.7 -> 91.8% of copy at 8192),
+# forward + backward 389.8 / 431.3 -> 338.3 / 350.8; bf16 rows untouched (210.5 / 210.5).
+BWD_FP16_ONE_PARTIAL_MAXNREG = 128
+
+
 def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
                 device: torch.device, tail: int = 0, warps: int = 0,
-                elem_bytes: int = 2):  # fmt: skip
+                elem_bytes: int = 2, fp16: bool = False):  # fmt: skip
     """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for
-    one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm); and
+    one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm);
     BWD_WIDE_ONE_PARTIAL_MAXNREG for one padded 8192-column block on 16 warps with one
     partial and no dropout whose row tensors (``elem_bytes``, the widest) are 16-bit: add +
-    RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block)."""
+    RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block);
+    and BWD_FP16_ONE_PARTIAL_MAXNREG for that block on 8 warps (RMSNorm of x alone) where
+    the rows are ``fp16``."""
     if not (num_chunks == 1 and _nvidia(device)):
         return None
     if block_n == 1024 and dropout and partials == 2:
         return BWD_DROPOUT_MAXNREG
-    if (block_n == 8192 and not tail and warps == 16 and partials == 1 and not dropout
-            and elem_bytes <= 2):  # fmt: skip
-        return BWD_WIDE_ONE_PARTIAL_MAXNREG
+    if block_n == 8192 and not tail and partials == 1 and not dropout and elem_bytes <= 2:
+        if warps == 16:
+            return BWD_WIDE_ONE_PARTIAL_MAXNREG
+        if warps == 8 and fp16:
+            return BWD_FP16_ONE_PARTIAL_MAXNREG
     return None
 
 

@@ -597,8 +597,9 @@ def _bwd_plan(
         GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,
     )
+    fp16 = dy.dtype == torch.float16
     maxnreg = config.bwd_maxnreg(
-        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes)
+        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes), fp16
     )
     return flags, key, maxnreg
 

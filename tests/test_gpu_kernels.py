@@ -108,6 +108,8 @@ MATRIX = (
     # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
     + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
+    # ... and of fp16 rows under a cap of 128 (bench/NOTES.md #112; 8192 above)
+    + [("rms", 6144, FP16)]
     # Rows of 4-byte elements (bench/NOTES.md #57): one 16K block with dropout under a cap of
     # 64 (bf16 x, fp32 stream) or on 32 warps under 80 (fp32), x1 with an fp32 stream on 32
     # warps under 64, split rows with dropout on 2 warps; add + RMSNorm's backward on 16

@@ -508,6 +508,13 @@ def test_register_caps_only_where_measured():
                  (8192, 1, False, 2, gpu, 0, 16, 2), (8192, 1, False, 1, gpu, 1024, 16, 2),
                  (8192, 2, False, 1, gpu, 0, 16, 2), (16384, 1, False, 1, gpu, 0, 32, 2)):  # fmt: skip
         assert config.bwd_maxnreg(*args) is None, args
+    # RMSNorm's padded 8192-column block on 8 warps, fp16 rows only (bench/NOTES.md #112)
+    assert config.bwd_maxnreg(8192, 1, False, 1, gpu, 0, 8, 2, True) == (128 if expected else None)
+    for args in ((8192, 1, False, 1, gpu, 0, 8, 2, False), (8192, 1, False, 1, cpu, 0, 8, 2, True),
+                 (8192, 1, True, 1, gpu, 0, 8, 2, True), (8192, 1, False, 2, gpu, 0, 8, 2, True),
+                 (4096, 1, False, 1, gpu, 0, 4, 2, True), (8192, 1, False, 1, gpu, 0, 8, 4, True),
+                 (8192, 1, False, 1, gpu, 1024, 8, 2, True)):  # fmt: skip
+        assert config.bwd_maxnreg(*args) is None, args
 
 
 def test_backward_warps_of_a_plain_rmsnorm():
@@ -564,8 +571,9 @@ def test_backward_warps_of_512_and_1k_rows():
 
 
 def test_backward_register_cap_reaches_the_launch(monkeypatch):
-    """ops hands bwd_maxnreg the warps and the widest row tensor of the configuration: add +
-    RMSNorm's 8192-column backward of bf16 rows is capped on an NVIDIA GPU, of fp32 rows not."""
+    """ops hands bwd_maxnreg the warps, the widest row tensor of the configuration and whether
+    its rows are fp16: add + RMSNorm's 8192-column backward of bf16 rows is capped on an
+    NVIDIA GPU, of fp32 rows not; RMSNorm's on 8 warps of fp16 rows, of bf16 rows not."""
     from fused_norm import config
     from fused_norm.launch import Stand
 
@@ -579,6 +587,14 @@ def test_backward_register_cap_reaches_the_launch(monkeypatch):
 
     assert maxnreg(torch.bfloat16) == 64
     assert maxnreg(torch.float32) is None
+
+    def rms_maxnreg(dtype):  # RMSNorm of x alone: 8 warps, no stream gradient
+        t = Stand(dtype, (1, 8192))
+        return ops._bwd_plan(gpu, t, t, None, None, None, None, None, None, None, None, None,
+                             False, False, 0.0, True, False, 8192, 1, 0, 1, 8)[2]  # fmt: skip
+
+    assert rms_maxnreg(torch.float16) == 128
+    assert rms_maxnreg(torch.bfloat16) is None
 
 
 @pytest.fixture
