@@ -366,9 +366,9 @@ FWD_FULL_SPLIT_ROWS = frozenset({
 # of x has a predicate of its own, and the last loads issue only after the arithmetic on the
 # first (LayerNorm bf16 at 256K: 6 of the 8 at once, the other 2 some 190 instructions later;
 # 3.6's SASS issues all 8 before that arithmetic, sharing predicates; offline, sm_90). Folded,
-# 3.9 issues all 8 together (at 78 registers instead of 62). Bench-style A/B of cubins compiled offline by Triton 3.9
-# and launched on an H200 (2026-11-26, bench/NOTES.md #111, three rounds), masked -> folded,
-# with #110's 32-bit index: LayerNorm bf16 64K / 128K / 256K 152.8 / 161.1 / 166.0 -> 141.8 /
+# 3.9 issues all 8 together (at 78 registers instead of 62). Bench-style A/B of cubins
+# compiled offline by Triton 3.9 and launched on an H200 (2026-11-26, bench/NOTES.md #111,
+# three rounds), masked -> folded, with #110's 32-bit index: LayerNorm bf16 64K / 128K / 256K 152.8 / 161.1 / 166.0 -> 141.8 /
 # 154.6 / 162.7 us (the device's 3.6: 143.5 / 148.6 / 155.3), fp16 64K 151.0 -> 144.2, fp32
 # 64K / 128K / 256K 294.4 / 301.1 / 329.7 -> 276.6 / 281.1 / 306.5, beside fp32 weights 64K /
 # 128K / 256K 177.4 / 189.3 / 198.6 -> 163.8 / 177.8 / 184.7; RMSNorm bf16 128K 149.8 -> 139.8,
@@ -800,7 +800,7 @@ def fwd_split_params_evict(elem_bytes: int, weight_bytes: int) -> str:
 # / 128K / 256K 176.8 / 204.6 / 212.7 -> 152.8 / 160.7 / 165.9 us (the device's 3.6 compile:
 # 143.6 / 148.3 / 155.5), fp16 64K / 128K 171.6 / 180.0 -> 150.2 / 153.5, fp32 64K / 128K /
 # 256K 322.6 / 336.9 / 373.2 -> 294.4 / 299.8 / 328.2, dropout + add + LayerNorm fp32 64K /
-# 128K / 256K 594.0 / 613.8 / 690.8 -> 546.2 / 558.7 / 602.0, bf16 64K-256K 0.5-1.0% faster,
+# 128K / 256K 594.0 / 613.8 / 690.8 -> 546.2 / 558.7 / 602.0, bf16 64K-256K 0.4-1.1% faster,
 # the x1 path bf16 32K-256K 455.2-523.5 -> 422.2-455.5 (faster than 3.6's compile), fp16 64K
 # 434.3 -> 417.1, fp32 64K / 256K 837.1 / 889.6 -> 823.8 / 879.4. Slower with it, so left out
 # (FWD_SPLIT_PART_I32_SKIP, by row kind, columns and x's dtype): fp16 LayerNorm 256K 151.9 ->
@@ -812,23 +812,22 @@ def fwd_split_params_evict(elem_bytes: int, weight_bytes: int) -> str:
 # fp32 64K 548.4 -> 539.5): every row there keeps the 64-bit index and the same SASS. Triton
 # 3.8, unmeasured, compiles LayerNorm bf16's parts to 168 registers either way (offline).
 FWD_SPLIT_PART_I32_FROM = (3, 9)
-FWD_SPLIT_PART_I32_SKIP = {
+FWD_SPLIT_PART_I32_SKIP = frozenset({
     ("ln", 262144, torch.float16),
     ("dropout", 65536, torch.float16),
     ("dropout", 32768, torch.float32),
     ("ln", 32768, torch.float32),
     ("x1", 262144, torch.float16),
-}
+})  # fmt: skip
 
 
-def fwd_split_part_i32(row_kind: str, n_cols: int, x_dtype: torch.dtype, is_rms_norm: bool,
-                       version: tuple = None) -> bool:  # fmt: skip
-    """Whether a split forward part counts its columns in 32 bits (kernels' PART_I32): on
-    Triton FWD_SPLIT_PART_I32_FROM or later (``version``, TRITON_VERSION by default), for
-    rows that are not RMSNorm (``row_kind`` as fwd_full_row's key: "ln", "add", "dropout",
-    "x1"), but those in FWD_SPLIT_PART_I32_SKIP by (row_kind, ``n_cols``, ``x_dtype``)."""
-    version = TRITON_VERSION if version is None else version
-    if is_rms_norm or version < FWD_SPLIT_PART_I32_FROM:
+def fwd_split_part_i32(row_kind: str, n_cols: int, x_dtype: torch.dtype,
+                       is_rms_norm: bool) -> bool:  # fmt: skip
+    """Whether a split forward part counts its columns in 32 bits (kernels' PART_I32): where
+    Triton FWD_SPLIT_PART_I32_FROM or later compiles (TRITON_VERSION), for rows that are not
+    RMSNorm (``row_kind`` as fwd_full_row's key: "ln", "add", "dropout", "x1"), but those in
+    FWD_SPLIT_PART_I32_SKIP by (row_kind, ``n_cols``, ``x_dtype``)."""
+    if is_rms_norm or TRITON_VERSION < FWD_SPLIT_PART_I32_FROM:
         return False
     return (row_kind, n_cols, x_dtype) not in FWD_SPLIT_PART_I32_SKIP
 

@@ -312,6 +312,17 @@ def test_gpu_split_rows_match_reference(name):
     check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
 
 
+def _split_fwd_args(case):
+    """ops.fused_norm_fwd's arguments for ``case`` on the GPU (the masks stored; rowscale and
+    layerscale left out), with random seeds where it drops out."""
+    t = make_inputs(case, "cuda")
+    seeds = torch.randint(0, 2**31, (2 * case.shape[0],), device="cuda")
+    x2 = {k: (v.detach() if v is not None else None) for k, v in t.items()}
+    return (x2["x"], x2["weight"], x2["bias"], x2["residual"], x2["x1"], x2["weight1"],
+            x2["bias1"], None, None, seeds if case.dropout_p else None, case.eps,
+            case.dropout_p, case.is_rms_norm, False, case.dtype, case.stream_dtype, True, True)  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["ln_odd_offset", "drop_x1_w1_fp32res"])
 def test_gpu_split_rows_match_chunked(name, monkeypatch):
     """Same inputs through the split rows and through the chunked two-sweep path: the residual
@@ -320,12 +331,7 @@ def test_gpu_split_rows_match_chunked(name, monkeypatch):
     from fused_norm import config, ops
 
     case = SPLIT_CASES[name]
-    t = make_inputs(case, "cuda")
-    seeds = torch.randint(0, 2**31, (2 * case.shape[0],), device="cuda")
-    x2 = {k: (v.detach() if v is not None else None) for k, v in t.items()}
-    args = (x2["x"], x2["weight"], x2["bias"], x2["residual"], x2["x1"], x2["weight1"],
-            x2["bias1"], None, None, seeds if case.dropout_p else None, case.eps,
-            case.dropout_p, case.is_rms_norm, False, case.dtype, case.stream_dtype, True, True)  # fmt: skip
+    args = _split_fwd_args(case)
     split = ops.fused_norm_fwd(*args)
     monkeypatch.setattr(config, "FWD_SPLIT_MIN_BYTES", 1 << 40)
     chunked = ops.fused_norm_fwd(*args)
@@ -358,12 +364,7 @@ def test_gpu_split_rows_with_32_bit_index(name, monkeypatch):
     monkeypatch.setattr(config, "fwd_split_part_i32", always)
     check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
     assert asked, "no split forward asked for its index width"
-    t = make_inputs(case, "cuda")
-    seeds = torch.randint(0, 2**31, (2 * case.shape[0],), device="cuda")
-    x2 = {k: (v.detach() if v is not None else None) for k, v in t.items()}
-    args = (x2["x"], x2["weight"], x2["bias"], x2["residual"], x2["x1"], x2["weight1"],
-            x2["bias1"], None, None, seeds if case.dropout_p else None, case.eps,
-            case.dropout_p, case.is_rms_norm, False, case.dtype, case.stream_dtype, True, True)  # fmt: skip
+    args = _split_fwd_args(case)
     narrow = ops.fused_norm_fwd(*args)
     monkeypatch.setattr(config, "fwd_split_part_i32", lambda *args, **kwargs: False)
     wide = ops.fused_norm_fwd(*args)
