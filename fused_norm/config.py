@@ -389,29 +389,27 @@ FWD_FULL_SPLIT_SKIP_39 = frozenset({
 })  # fmt: skip
 
 
-def fwd_full_row(
-    n_cols: int, kernel_block: int, num_chunks: int, split: int, fills: bool, row_kind: str,
-    x_dtype: torch.dtype, elem_bytes: int, weight_bytes: int,
-) -> bool:  # fmt: skip
-    """Whether a forward row takes its width as a constant (constexpr FULL_ROW): one that
-    ``fills`` its one block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it
-    (``row_kind``, ``n_cols``, ``elem_bytes``, ``weight_bytes``), a chunked row of
-    ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS; chunked rows have no tail:
-    block_tail), or a row of ``split`` whole parts that FWD_FULL_SPLIT_ROWS holds (with
-    ``x_dtype``), or, compiled by Triton FWD_FULL_SPLIT_FROM or later (TRITON_VERSION), that
+def fwd_full_row(row: tuple, kernel_block: int, num_chunks: int, split: int,
+                 fills: bool) -> bool:  # fmt: skip
+    """Whether a forward row takes its width as a constant (constexpr FULL_ROW). ``row`` is
+    the key the forward's row rules share (ops._fwd_plan): (row kind, columns, x's dtype,
+    bytes of the widest row element, of the widest weight). A row that ``fills`` its one
+    block (fwd_fills_block) unless FWD_MASKED_FULL_ROWS holds it (the key without x's dtype),
+    a chunked row of ``num_chunks`` whole chunks (FWD_FULL_CHUNKED_ROWS; chunked rows have no
+    tail: block_tail), or a row of ``split`` whole parts that FWD_FULL_SPLIT_ROWS holds, or,
+    compiled by Triton FWD_FULL_SPLIT_FROM or later (TRITON_VERSION), that
     FWD_FULL_SPLIT_SKIP_39 does not hold. FWD_FULL_ROWS switches all off."""
     if not FWD_FULL_ROWS:
         return False
+    row_kind, n_cols, _, elem_bytes, weight_bytes = row
     if split > 1:
-        key = (row_kind, n_cols, x_dtype, elem_bytes, weight_bytes)
         if n_cols != split * kernel_block:
             return False
         if TRITON_VERSION >= FWD_FULL_SPLIT_FROM:
-            return key in FWD_FULL_SPLIT_ROWS or key not in FWD_FULL_SPLIT_SKIP_39
-        return key in FWD_FULL_SPLIT_ROWS
+            return row in FWD_FULL_SPLIT_ROWS or row not in FWD_FULL_SPLIT_SKIP_39
+        return row in FWD_FULL_SPLIT_ROWS
     if num_chunks == 1:
-        key = (row_kind, n_cols, elem_bytes, weight_bytes)
-        return fills and key not in FWD_MASKED_FULL_ROWS
+        return fills and (row_kind, n_cols, elem_bytes, weight_bytes) not in FWD_MASKED_FULL_ROWS
     return FWD_FULL_CHUNKED_ROWS and n_cols == num_chunks * kernel_block
 
 
@@ -821,15 +819,14 @@ FWD_SPLIT_PART_I32_SKIP = frozenset({
 })  # fmt: skip
 
 
-def fwd_split_part_i32(row_kind: str, n_cols: int, x_dtype: torch.dtype,
-                       is_rms_norm: bool) -> bool:  # fmt: skip
+def fwd_split_part_i32(row: tuple, is_rms_norm: bool) -> bool:
     """Whether a split forward part counts its columns in 32 bits (kernels' PART_I32): where
     Triton FWD_SPLIT_PART_I32_FROM or later compiles (TRITON_VERSION), for rows that are not
-    RMSNorm (``row_kind`` as fwd_full_row's key: "ln", "add", "dropout", "x1"), but those in
-    FWD_SPLIT_PART_I32_SKIP by (row_kind, ``n_cols``, ``x_dtype``)."""
+    RMSNorm, but those in FWD_SPLIT_PART_I32_SKIP by the first three fields of ``row`` (the
+    key fwd_full_row takes: row kind, columns, x's dtype)."""
     if is_rms_norm or TRITON_VERSION < FWD_SPLIT_PART_I32_FROM:
         return False
-    return (row_kind, n_cols, x_dtype) not in FWD_SPLIT_PART_I32_SKIP
+    return row[:3] not in FWD_SPLIT_PART_I32_SKIP
 
 
 def fwd_split(

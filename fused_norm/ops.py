@@ -371,12 +371,11 @@ def _fwd_plan(
         num_warps = own[0] if own else config.fwd_num_warps(block_n, num_chunks, plain, tail, lane)
         hold = False  # config.fwd_hold: split parts only
     fills = config.fwd_fills_block(n, kernel_block, tail, num_chunks, split)
+    # The key of the row rules (fwd_full_row, fwd_ws_prefetch, fwd_split_part_i32), built once.
     row_kind = plain or ("x1" if has_x1 else "dropout" if dropout else "add")
-    full_row = config.fwd_full_row(n, kernel_block, num_chunks, split, fills, row_kind, x_dtype,
-                                   elem_bytes, weight_bytes)  # fmt: skip
-    ws_prefetch = split > 1 and config.fwd_ws_prefetch(
-        split, dev, (row_kind, n, x_dtype, elem_bytes, weight_bytes, has_bias)
-    )
+    row = (row_kind, n, x_dtype, elem_bytes, weight_bytes)
+    full_row = config.fwd_full_row(row, kernel_block, num_chunks, split, fills)
+    ws_prefetch = split > 1 and config.fwd_ws_prefetch(split, dev, row + (has_bias,))
     constexprs = dict(
         BLOCK_N=kernel_block,
         TAIL_N=tail,
@@ -411,7 +410,7 @@ def _fwd_plan(
         # faster (bench/NOTES.md #80).
         SEEDS_LAST=not has_x1 and (split > 1 or num_warps < 16),
         PARAMS_EVICT=config.fwd_split_params_evict(elem_bytes, weight_bytes) if split > 1 else "",
-        PART_I32=split > 1 and config.fwd_split_part_i32(row_kind, n, x_dtype, is_rms_norm),
+        PART_I32=split > 1 and config.fwd_split_part_i32(row, is_rms_norm),
     )
     maxnreg = (
         own[1]

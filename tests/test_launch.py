@@ -910,10 +910,10 @@ def test_split_part_i32_rule(gpu_rules, monkeypatch):
             assert i32(*args, **kwargs) == (False, True), (version, args, kwargs)
         assert i32(16384, bf16) == (False, False) and i32(4096, fp32) == (False, False)
     with patched_config(TRITON_VERSION=(3, 9)):
-        assert config.fwd_split_part_i32("ln", 262144, bf16, False)
-        assert not config.fwd_split_part_i32("rms", 262144, bf16, True)
+        assert config.fwd_split_part_i32(("ln", 262144, bf16, 2, 2), False)
+        assert not config.fwd_split_part_i32(("rms", 262144, bf16, 2, 2), True)
     with patched_config(TRITON_VERSION=(3, 8)):
-        assert not config.fwd_split_part_i32("ln", 262144, bf16, False)
+        assert not config.fwd_split_part_i32(("ln", 262144, bf16, 2, 2), False)
 
 
 def test_launch_options_ask_for_fp_fusion():
