@@ -637,6 +637,8 @@ def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1:
 # no spills), bench-style A/B (H200, 2026-11-26, four rounds), uncapped -> capped: backward
 # 8192 / 6144 columns 262.1 / 298.8 -> 210.8 / 219.0 us (73.7 -> 91.8% of copy at 8192),
 # forward + backward 389.8 / 431.3 -> 338.3 / 350.8; bf16 rows untouched (210.5 / 210.5).
+# Since #113 the padded rows (6144 among them), and 8192 on Triton 3.9, take 16 warps
+# (BWD_PLAIN_8K_WARPS), so this cap holds for 8192 columns on earlier Tritons.
 BWD_FP16_ONE_PARTIAL_MAXNREG = 128
 
 
@@ -647,9 +649,10 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
     one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm);
     BWD_WIDE_ONE_PARTIAL_MAXNREG for one padded 8192-column block on 16 warps with one
     partial and no dropout whose row tensors (``elem_bytes``, the widest) are 16-bit: add +
-    RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block);
-    and BWD_FP16_ONE_PARTIAL_MAXNREG for that block on 8 warps (RMSNorm of x alone) where
-    the rows are ``fp16``."""
+    RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block),
+    and RMSNorm of x alone where it takes 16 warps (BWD_PLAIN_8K_WARPS); and
+    BWD_FP16_ONE_PARTIAL_MAXNREG for that block on 8 warps (RMSNorm of x alone) where the
+    rows are ``fp16``."""
     if not (num_chunks == 1 and _nvidia(device)):
         return None
     if block_n == 1024 and dropout and partials == 2:
@@ -978,6 +981,33 @@ def fwd_rows_per_program(block_n: int, num_chunks: int, plain: str = "") -> int:
 # add + RMSNorm's backward of 4-byte rows: warps by block (bwd_num_warps; bench/NOTES.md #57).
 BWD_WIDE_ELEM_WARPS = {4096: 16, 16384: 8}
 
+# RMSNorm of x alone in one padded 8192-column block of 16-bit rows takes 16 warps (under
+# bwd_maxnreg's cap of 64, two programs per SM as on 8) instead of 8 where the row is padded
+# (5121-8191 columns), and at 8192 too on Triton BWD_PLAIN_8K_W16_EXACT_FROM or later
+# (TRITON_VERSION). Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #113), 8 -> 16 warps,
+# backward: triton 3.6, bf16 6144 223.8 -> 216.5-217.7 us (two calls), 7168 211.7 -> 208.0 /
+# 212.9 -> 210.0, fp16 6144 218.9-219.4 -> 216.1-217.0, 7168 209.8 -> 208.0 / 212.3 -> 211.1,
+# but 8192 even (bf16 210.7 -> 210.1, 213.8 -> 214.0) or behind (fp16 208.7 -> 210.2, 214.6 ->
+# 215.2); triton 3.9's cubins (3.9 spills 8 bytes on 16 warps), bf16 6144 / 7168 / 8192 254.9
+# / 242.0 / 235.0 -> 226.4 / 218.4 / 218.8, fp16 255.6 / 242.0 / 233.8 -> 227.8 / 218.3 /
+# 219.4; 16-bit x with fp32 weights, triton 3.6: bf16 6144 / 7168 226.2 / 217.1 -> 220.2 /
+# 210.8, fp16 6144 226.1 -> 216.6; 3.9: bf16 6144 298.3 -> 244.3 (on 8 warps 188 registers,
+# one program per SM). Two blocks (4097-5120 columns) keep 8 (16 uncapped: bf16 4608 211.1 ->
+# 248.8).
+BWD_PLAIN_8K_WARPS = 16
+BWD_PLAIN_8K_W16_EXACT_FROM = (3, 9)
+
+# The x1 path's backward with dropout in one 2048-column block (1025-2048 columns) takes 4
+# warps instead of 2 (on 2, triton 3.6 spills 48 bytes at 255 registers, 3.9 248). Bench-style
+# A/B (H200, 2026-11-26, bench/NOTES.md #114), backward, 2 -> 4 warps, triton 3.6: bf16 2048 /
+# 1536 543.6 / 596.1 -> 500.1 / 542.5 us, fp16 530.0 / 593.2 -> 504.4 / 545.2, bf16 x with
+# fp32 weights 618.0 / 740.5 -> 496.6 / 593.8, an fp32 stream 718.8 -> 698.0, fp32 1067.6 ->
+# 981.0; triton 3.9's cubins bf16 2048 / 1536 635.6 / 702.8 -> 503.9 / 508.2, fp16 640.0 ->
+# 504.1, fp32 weights 731.6 -> 497.0, fp32 stream 879.7 -> 699.5. Without dropout 2 stay (fp16
+# 2048 430.3 -> 480.9 on 4; bf16 437.6 -> 426.9, but 3.9 446.7 -> 475.0), and at 1024 (485.1
+# -> 508.0).
+BWD_X1_DROPOUT_2K_WARPS = 4
+
 
 def bwd_num_warps(
     block_n: int,
@@ -986,8 +1016,10 @@ def bwd_num_warps(
     tail: int = 0,
     plain: bool = False,
     elem_bytes: int = 2,
+    n_cols: int = 0,
 ) -> int:
-    """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates.
+    """Warps per backward program, ``partials`` the parameter-gradient vectors it accumulates,
+    ``n_cols`` the row's columns (0: ``block_n``, not padded).
     Same sweeps: 4 at N=1K (87% of copy), 8 at 4K (92%), 32 at 16K (91%; LayerNorm with
     dropout spilled registers at 16 warps), 16 for 8K chunks. With four partials (two weights
     and two biases: the x1 path) 2 warps at 1K-2K: 67% / 70% of copy vs 52% / 58% with 4
@@ -1012,7 +1044,10 @@ def bwd_num_warps(
     two sessions' sweeps (bench/NOTES.md #30); add + RMSNorm prenorm keeps 16 (4: 81%, 16:
     78%, 8: 53%). Its 4096-column block with one partial takes 4 (RMSNorm bf16 85 -> 90%,
     fp16 75 -> 89%: on 8 warps fp16 took 72 registers, past 64; bench/NOTES.md #41), where
-    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%).
+    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%). Its padded
+    8192-column block of 16-bit rows (``n_cols`` < 8192; on Triton 3.9 also 8192) takes
+    BWD_PLAIN_8K_WARPS (#113), and the x1 path with dropout at 2048 BWD_X1_DROPOUT_2K_WARPS
+    (#114).
 
     Graph-replay sweeps of 2026-11-24 (H200, bench/NOTES.md #53), two runs each: RMSNorm of x
     alone held as two blocks (5120 = 4096 + 1024) on 8 warps instead of 16, bf16 82.3 -> 94.7%,
@@ -1037,6 +1072,12 @@ def bwd_num_warps(
             return 8 if plain else 16
         return 8 if partials >= 4 else 4
     if plain and partials == 1 and block_n in (4096, 8192):
+        if (
+            block_n == 8192
+            and elem_bytes == 2
+            and (0 < n_cols < block_n or TRITON_VERSION >= BWD_PLAIN_8K_W16_EXACT_FROM)
+        ):
+            return BWD_PLAIN_8K_WARPS
         return block_n // 1024
     if (
         elem_bytes == 4
@@ -1046,6 +1087,8 @@ def bwd_num_warps(
     ):
         return BWD_WIDE_ELEM_WARPS[block_n]
     if partials >= 4 and block_n <= 2048:
+        if dropout and block_n == 2048:
+            return BWD_X1_DROPOUT_2K_WARPS
         return 1 if block_n <= 512 else 2
     if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:
         return 2
@@ -1769,7 +1812,7 @@ def bwd_layout(
     tail = bwd_block_tail(n_cols, block_n, num_chunks, partials, dropout, plain, elem_bytes)[1]
     if num_chunks > 1 and exchange:
         return block_n, num_chunks, tail, BWD_EXCHANGE_WARPS
-    warps = bwd_num_warps(block_n, partials, dropout, tail, plain, elem_bytes)
+    warps = bwd_num_warps(block_n, partials, dropout, tail, plain, elem_bytes, n_cols)
     return block_n, num_chunks, tail, warps
 
 

@@ -55,6 +55,10 @@ FLAGS = {
                       weight_dtype=FP32),
     "drop_add_ln_prenorm_w32": dict(residual_dtype="same", dropout_p=0.1, prenorm=True,
                                     weight_dtype=FP32),
+    # The x1 path with dropout (x1's own mask), prenorm: its backward's warps at 1025-2048
+    # columns (config.bwd_num_warps).
+    "x1_w1_drop": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same",
+                       dropout_p=0.1, prenorm=True),
 }  # fmt: skip
 
 MATRIX = (
@@ -108,8 +112,12 @@ MATRIX = (
     # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
     + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
-    # ... and of fp16 rows under a cap of 128 (bench/NOTES.md #112; 8192 above)
-    + [("rms", 6144, FP16)]
+    # ... and of fp16 rows under a cap of 128 (bench/NOTES.md #112; 8192 above); since #113
+    # the padded rows (6144, 7168) on 16 warps under 64, 8192 too on Triton 3.9
+    + [("rms", 6144, FP16), ("rms", 7168, FP16), ("rms", 8192, BF16), ("rms_w32", 6144, BF16)]
+    # The x1 path with dropout on 4 warps at 1025-2048 columns (#114), 2 at 1024
+    + [("x1_w1_drop", n, d) for n, d in ((2048, BF16), (1536, FP16), (1024, BF16))]
+    + [("x1_w1_drop", 2048, FP32)]
     # Rows of 4-byte elements (bench/NOTES.md #57): one 16K block with dropout under a cap of
     # 64 (bf16 x, fp32 stream) or on 32 warps under 80 (fp32), x1 with an fp32 stream on 32
     # warps under 64, split rows with dropout on 2 warps; add + RMSNorm's backward on 16

@@ -519,13 +519,33 @@ def test_register_caps_only_where_measured():
 
 def test_backward_warps_of_a_plain_rmsnorm():
     """RMSNorm of x alone (one partial) takes 4 warps at 4096 columns and 8 at 8192; add +
-    RMSNorm keeps 8 at 4096, LayerNorm (two partials) too (bench/NOTES.md #30, #41)."""
+    RMSNorm keeps 8 at 4096, LayerNorm (two partials) too (bench/NOTES.md #30, #41). Its
+    padded 8192 block of 16-bit rows takes 16 (#113), and so does 8192 itself on Triton 3.9."""
     from fused_norm import config
 
-    assert config.bwd_num_warps(4096, 1, plain=True) == 4
-    assert config.bwd_num_warps(8192, 1, plain=True) == 8
-    assert config.bwd_num_warps(4096, 1) == 8
-    assert config.bwd_num_warps(4096, 2, plain=True) == 8
+    with patched_config(TRITON_VERSION=(3, 6)):
+        assert config.bwd_num_warps(4096, 1, plain=True) == 4
+        assert config.bwd_num_warps(8192, 1, plain=True) == 8
+        assert config.bwd_num_warps(8192, 1, plain=True, n_cols=8192) == 8
+        assert config.bwd_num_warps(4096, 1) == 8
+        assert config.bwd_num_warps(4096, 2, plain=True) == 8
+        for n in (5121, 6144, 7168, 8191):
+            assert config.bwd_num_warps(8192, 1, plain=True, n_cols=n) == 16, n
+        assert config.bwd_num_warps(8192, 1, plain=True, elem_bytes=4, n_cols=6144) == 8
+        assert config.bwd_num_warps(8192, 2, plain=True, n_cols=6144) == 16  # LayerNorm's
+        assert config.bwd_num_warps(8192, 1, plain=True, tail=1024, n_cols=5120) == 8
+        assert config.bwd_num_warps(4096, 1, plain=True, n_cols=3072) == 4
+    with patched_config(TRITON_VERSION=(3, 9)):
+        assert config.bwd_num_warps(8192, 1, plain=True) == 16
+        assert config.bwd_num_warps(8192, 1, plain=True, elem_bytes=4) == 8
+        assert config.bwd_num_warps(8192, 1, plain=True, tail=1024, n_cols=5120) == 8
+        assert config.bwd_num_warps(4096, 1, plain=True) == 4
+    # through the layout, with the register cap that two 16-warp programs per SM need
+    gpu = torch.device("cuda", 0)
+    with patched_config(TRITON_VERSION=(3, 6), _nvidia=lambda device: True):
+        assert config.bwd_layout(6144, 2, 1, False, True) == (8192, 1, 0, 16)
+        assert config.bwd_layout(8192, 2, 1, False, True) == (8192, 1, 0, 8)
+        assert config.bwd_maxnreg(8192, 1, False, 1, gpu, 0, 16, 2, True) == 64
 
 
 def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
@@ -543,7 +563,7 @@ def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     assert config.bwd_layout(5120, 4, 1, False, False) == (8192, 1, 1024, 16)  # fp32
     assert config.bwd_layout(5120, 2, 1, True, False)[2] == 1024  # dropout: two blocks
     assert config.bwd_layout(5120, 2, 1, False, True) == (8192, 1, 1024, 8)  # plain RMSNorm
-    assert config.bwd_layout(6144, 2, 1, False, True) == (8192, 1, 0, 8)  # its tail > 1/4
+    assert config.bwd_layout(6144, 2, 1, False, True)[:3] == (8192, 1, 0)  # its tail > 1/4
     assert config.bwd_layout(6144, 4, 1, False, True)[2] == 2048  # fp32: not measured
     assert config.bwd_layout(5120, 2, 2, False, True)[2] == 1024  # LayerNorm unchanged
     with patched_config(TAIL_BLOCKS=True):  # forced two blocks (sweeps) stay two blocks
@@ -562,6 +582,13 @@ def test_backward_warps_of_512_and_1k_rows():
         assert config.bwd_num_warps(1024, partials, elem_bytes=4) == 4
         assert config.bwd_num_warps(1024, partials, dropout=True) == 4
     assert config.bwd_num_warps(1024, 4) == 2  # the x1 path, as before
+    # ... but with dropout at 2048 on 4 (bench/NOTES.md #114), whatever the dtype
+    for elem_bytes in (2, 4):
+        assert config.bwd_num_warps(2048, 4, dropout=True, elem_bytes=elem_bytes) == 4
+    assert config.bwd_num_warps(2048, 4) == 2
+    assert config.bwd_num_warps(1024, 4, dropout=True) == 2
+    assert config.bwd_layout(1536, 2, 4, True, False) == (2048, 1, 0, 4)
+    assert config.bwd_layout(2048, 2, 4, False, False) == (2048, 1, 0, 2)
     assert config.bwd_num_warps(2048, 2) == 4
     # 512 columns without dropout: 1 warp, but RMSNorm of x alone keeps 2
     assert config.bwd_num_warps(512, 2, plain=True) == 1
@@ -595,6 +622,60 @@ def test_backward_register_cap_reaches_the_launch(monkeypatch):
 
     assert rms_maxnreg(torch.float16) == 128
     assert rms_maxnreg(torch.bfloat16) is None
+
+
+def test_backward_warps_reach_the_launch(monkeypatch):
+    """What fused_norm_bwd launches on a (stand-in) NVIDIA GPU with the device's Triton:
+    RMSNorm of x alone at 6144 columns (the padded 8192 block) on 16 warps under the cap of
+    64, at 8192 on 8 (fp16 under 128), and at 8192 on 16 with Triton 3.9 (bench/NOTES.md
+    #113); the x1 path with dropout at 1536 / 2048 on 4 warps, without dropout on 2 (#114)."""
+    monkeypatch.setattr(config, "_nvidia", lambda device: True)
+    monkeypatch.setattr(config, "_sm90", lambda index: True)
+    monkeypatch.setattr(config, "_smem_ok", lambda index: False)
+    monkeypatch.setattr(config, "INTERPRETED", False)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    launched = []
+
+    class Recorder:
+        def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None,
+                     on_miss=None, maxnreg=None):  # fmt: skip
+            launched.append((constexprs["BLOCK_N"], num_warps, maxnreg))
+
+        def warm(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(ops, "_BWD", Recorder())
+    monkeypatch.setattr(ops, "_RED", lambda *args, **kwargs: None)
+
+    def bwd(n, dtype, x1=False, dropout_p=0.0):
+        m = 4
+        dy, s = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
+        w = torch.randn(n, dtype=dtype)
+        kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not x1)
+        if x1:
+            kw.update(weight1=w, bias1=w, dy1=dy, x1_dtype=dtype, residual_dtype=dtype,
+                      dresidual_out=dy)  # fmt: skip
+        if dropout_p:
+            kw.update(seeds=torch.zeros(2 * m, dtype=torch.int64), dropout_p=dropout_p)
+        config.settings_changed()
+        launched.clear()
+        ops.fused_norm_bwd(dy, s, w, w if x1 else None, kw.pop("weight1", None),
+                           kw.pop("bias1", None), **kw)  # fmt: skip
+        return launched[0]
+
+    for version, exact in (((3, 6), 8), ((3, 9), 16)):
+        monkeypatch.setattr(config, "TRITON_VERSION", version)
+        assert bwd(6144, torch.bfloat16) == (8192, 16, 64)
+        assert bwd(6144, torch.float16) == (8192, 16, 64)
+        assert bwd(8192, torch.bfloat16) == (8192, exact, 64 if exact == 16 else None)
+        assert bwd(8192, torch.float16) == (8192, exact, 64 if exact == 16 else 128)
+        assert bwd(5120, torch.bfloat16)[1] == 8  # two blocks, 4096 + 1024
+        assert bwd(6144, torch.float32)[1] != 16
+        for n in (1536, 2048):
+            assert bwd(n, torch.bfloat16, x1=True, dropout_p=0.1) == (2048, 4, None)
+            assert bwd(n, torch.bfloat16, x1=True) == (2048, 2, None)
+        assert bwd(1024, torch.bfloat16, x1=True, dropout_p=0.1)[1] == 2
+    config.settings_changed()
 
 
 @pytest.fixture
