@@ -642,9 +642,22 @@ def fwd_joint_stats(block_n: int, tail: int, elem_bytes: int, dropout: bool, x1:
 BWD_FP16_ONE_PARTIAL_MAXNREG = 128
 
 
+# LayerNorm's backward of x alone (two partials, no dropout) in one 2048-column block
+# (1025-2048 columns) on 4 warps, of 16-bit rows with 16-bit weights, compiled by Triton
+# BWD_LN_2K_CAP_FROM or later (TRITON_VERSION): capped at 96 registers, five programs per SM
+# instead of four (3.9 compiles it to 113-115 registers, 3.6 to 96; capped, 3.9 spills 4).
+# Bench-style A/B of triton 3.9's cubins (H200, 2026-11-26, bench/NOTES.md #115), backward
+# uncapped -> capped: bf16 2048 240.1 / 240.3 -> 231.6 / 232.4 us (two calls; 3.6: 225.3-225.7),
+# 1536 270.8 -> 260.9, fp16 2048 237.0 -> 231.1; with fp32 weights it spills 40 bytes and lost
+# (238.4 -> 288.4); at 1024 (2 warps) even (bf16 230.2 -> 227.4, fp16 227.9 -> 229.6).
+BWD_LN_2K_MAXNREG = 96
+BWD_LN_2K_CAP_FROM = (3, 9)
+
+
 def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
                 device: torch.device, tail: int = 0, warps: int = 0,
-                elem_bytes: int = 2, fp16: bool = False):  # fmt: skip
+                elem_bytes: int = 2, fp16: bool = False, plain_ln: bool = False,
+                w4: bool = False):  # fmt: skip
     """Register cap of the backward (None: the compiler's choice): BWD_DROPOUT_MAXNREG for
     one-block rows of 1K columns with dropout and two parameter gradients (LayerNorm);
     BWD_WIDE_ONE_PARTIAL_MAXNREG for one padded 8192-column block on 16 warps with one
@@ -652,7 +665,9 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
     RMSNorm, whose 105 registers held one program per SM (bwd_layout gives it that block),
     and RMSNorm of x alone where it takes 16 warps (BWD_PLAIN_8K_WARPS); and
     BWD_FP16_ONE_PARTIAL_MAXNREG for that block on 8 warps (RMSNorm of x alone) where the
-    rows are ``fp16``."""
+    rows are ``fp16``; on Triton BWD_LN_2K_CAP_FROM or later, BWD_LN_2K_MAXNREG for LayerNorm
+    of x alone (``plain_ln``) in one 2048-column block on 4 warps of 16-bit rows with 16-bit
+    weights (not ``w4``)."""
     if not (num_chunks == 1 and _nvidia(device)):
         return None
     if block_n == 1024 and dropout and partials == 2:
@@ -662,6 +677,17 @@ def bwd_maxnreg(block_n: int, num_chunks: int, dropout: bool, partials: int,
             return BWD_WIDE_ONE_PARTIAL_MAXNREG
         if warps == 8 and fp16:
             return BWD_FP16_ONE_PARTIAL_MAXNREG
+    if (
+        block_n == 2048
+        and not tail
+        and partials == 2
+        and plain_ln
+        and warps == 4
+        and elem_bytes <= 2
+        and not w4
+        and TRITON_VERSION >= BWD_LN_2K_CAP_FROM
+    ):
+        return BWD_LN_2K_MAXNREG
     return None
 
 

@@ -551,19 +551,20 @@ def _row_sizes(s, dy, dy1, dresidual_out, x0) -> list:
 def _bwd_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
-    partials, warps,
+    partials, warps, w4=False,
 ):  # fmt: skip
     """(constexprs, stage_key, maxnreg) of the backward kernel: its flags with the pipeline's
     stage count (ROW_STAGES, last), the key under which a stage count that did not fit is
-    remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins."""
+    remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins; ``w4``:
+    the weights are 4-byte (_param_bytes)."""
     row_sizes = _row_sizes(s, dy, dy1, dresidual_out, x0)
     row_bytes = sum(row_sizes)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
     exchange = _exchanges(c12)
-    # A norm of x alone whose row fills its one block (config.bwd_row_stages).
-    plain_full = (dresidual_out is None and dresidual is None and dx1 is None and x0 is None
-                  and rowscale is None and layerscale is None and dropout_p == 0.0 and not tail
-                  and s.shape[-1] == block_n)  # fmt: skip
+    # A norm of x alone, and one whose row fills its one block (config.bwd_row_stages).
+    plain = (dresidual_out is None and dresidual is None and dx1 is None and x0 is None
+             and rowscale is None and layerscale is None and dropout_p == 0.0)  # fmt: skip
+    plain_full = plain and not tail and s.shape[-1] == block_n
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
     key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full,
            tail)  # fmt: skip
@@ -598,8 +599,9 @@ def _bwd_plan(
     )
     fp16 = dy.dtype == torch.float16
     maxnreg = config.bwd_maxnreg(
-        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes), fp16
-    )
+        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes), fp16,
+        plain and not is_rms_norm, w4,
+    )  # fmt: skip
     return flags, key, maxnreg
 
 
@@ -652,6 +654,7 @@ def _bwd_compile_resident(dev, dtypes, n, dropout, opts) -> int:
     flags, key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dres_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zcw, block_n, num_chunks, tail, partials, warps,
+        _param_bytes(weight, weight1) == 4,
     )  # fmt: skip
     # The arguments as _bwd_run's launch passes them (WS_NEXT a workspace only where the
     # programs exchange), so that this compile is the launch's kernel, not a second one.
@@ -687,15 +690,15 @@ def _bwd_kernel_plan(
             None if weight1 is None else weight1.dtype, has_b1, dy.element_size(),
         )  # fmt: skip
         return flags, None, None, None, red
+    n = s.shape[-1]
+    w4 = _param_bytes(Stand(weight_dtype, (n,)), weight1) == 4  # the weights it reads
     flags, stage_key, maxnreg = _bwd_plan(
         dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
         has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks,
-        tail, partials, warps,
+        tail, partials, warps, w4,
     )  # fmt: skip
-    n = s.shape[-1]
     sums = None
     if num_chunks > 1 and not _exchanges(c12):  # rows wider than a block: c1, c2 first
-        w4 = _param_bytes(Stand(weight_dtype, (n,)), weight1) == 4  # the weights it reads
         sums_block, sums_chunks, sums_parts = config.bwd_sums_layout(
             n, max(s.element_size(), dy.element_size()), w4, weight1 is not None
         )

@@ -628,7 +628,9 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     """What fused_norm_bwd launches on a (stand-in) NVIDIA GPU with the device's Triton:
     RMSNorm of x alone at 6144 columns (the padded 8192 block) on 16 warps under the cap of
     64, at 8192 on 8 (fp16 under 128), and at 8192 on 16 with Triton 3.9 (bench/NOTES.md
-    #113); the x1 path with dropout at 1536 / 2048 on 4 warps, without dropout on 2 (#114)."""
+    #113); the x1 path with dropout at 1536 / 2048 on 4 warps, without dropout on 2 (#114);
+    LayerNorm of x alone at 1536 / 2048 capped at 96 with Triton 3.9, but with fp32 weights,
+    a residual gradient or a bias on RMSNorm (#115)."""
     monkeypatch.setattr(config, "_nvidia", lambda device: True)
     monkeypatch.setattr(config, "_sm90", lambda index: True)
     monkeypatch.setattr(config, "_smem_ok", lambda index: False)
@@ -647,20 +649,23 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     monkeypatch.setattr(ops, "_BWD", Recorder())
     monkeypatch.setattr(ops, "_RED", lambda *args, **kwargs: None)
 
-    def bwd(n, dtype, x1=False, dropout_p=0.0):
+    def bwd(n, dtype, x1=False, dropout_p=0.0, ln=False, wdtype=None, rms_bias=False, res=False):
         m = 4
         dy, s = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
-        w = torch.randn(n, dtype=dtype)
-        kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not x1)
+        w = torch.randn(n, dtype=wdtype or dtype)
+        kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not (x1 or ln))
         if x1:
             kw.update(weight1=w, bias1=w, dy1=dy, x1_dtype=dtype, residual_dtype=dtype,
                       dresidual_out=dy)  # fmt: skip
+        if res:
+            kw.update(residual_dtype=dtype, dresidual_out=dy)
         if dropout_p:
             kw.update(seeds=torch.zeros(2 * m, dtype=torch.int64), dropout_p=dropout_p)
         config.settings_changed()
         launched.clear()
-        ops.fused_norm_bwd(dy, s, w, w if x1 else None, kw.pop("weight1", None),
-                           kw.pop("bias1", None), **kw)  # fmt: skip
+        bias = w if (x1 or ln or rms_bias) else None
+        ops.fused_norm_bwd(dy, s, w, bias, kw.pop("weight1", None), kw.pop("bias1", None),
+                           **kw)  # fmt: skip
         return launched[0]
 
     for version, exact in (((3, 6), 8), ((3, 9), 16)):
@@ -675,6 +680,15 @@ def test_backward_warps_reach_the_launch(monkeypatch):
             assert bwd(n, torch.bfloat16, x1=True, dropout_p=0.1) == (2048, 4, None)
             assert bwd(n, torch.bfloat16, x1=True) == (2048, 2, None)
         assert bwd(1024, torch.bfloat16, x1=True, dropout_p=0.1)[1] == 2
+        ln_cap = 96 if version >= (3, 9) else None
+        for n, dtype in ((2048, torch.bfloat16), (1536, torch.float16)):
+            assert bwd(n, dtype, ln=True) == (2048, 4, ln_cap), (n, dtype)
+            assert bwd(n, dtype, ln=True, wdtype=torch.float32)[2] is None
+            assert bwd(n, dtype, ln=True, res=True)[2] is None
+            assert bwd(n, dtype, rms_bias=True)[2] is None
+        assert bwd(2048, torch.float32, ln=True)[2] is None
+        assert bwd(1024, torch.bfloat16, ln=True)[2] is None
+        assert bwd(4096, torch.bfloat16, ln=True)[2] is None
     config.settings_changed()
 
 
