@@ -1034,6 +1034,18 @@ BWD_PLAIN_8K_W16_EXACT_FROM = (3, 9)
 # -> 508.0).
 BWD_X1_DROPOUT_2K_WARPS = 4
 
+# ... and without dropout in one 1024-column block (513-1024 columns), 4 warps instead of 2
+# where measured faster, which differs by Triton: from BWD_X1_1K_16BIT_FROM (TRITON_VERSION)
+# for rows of 16-bit elements, before it for rows whose widest element is 4 bytes (fp32 rows,
+# or an fp32 stream). Bench-style A/B (H200, 2026-11-26, bench/NOTES.md #116), backward, 2 ->
+# 4 warps: triton 3.9's cubins bf16 1024 / 768 457.8 / 542.4 -> 391.2 / 458.0 us, fp16 462.1
+# -> 428.5, bf16 x with fp32 weights 463.2 -> 434.8, but an fp32 stream 620.7 -> 650.7 and
+# fp32 647.7 -> 699.7; triton 3.6 fp32 736.8 -> 678.2, an fp32 stream 721.9 -> 670.7, but
+# fp16 411.8 -> 450.5, bf16 x with fp32 weights 413.3 -> 443.6, fp16 x with fp32 weights
+# 367.7 -> 443.0 (bf16 413.9 -> 404.5 and 768 481.0 -> 470.6, left on 2 with the others).
+BWD_X1_1K_WARPS = 4
+BWD_X1_1K_16BIT_FROM = (3, 9)
+
 
 def bwd_num_warps(
     block_n: int,
@@ -1070,10 +1082,11 @@ def bwd_num_warps(
     two sessions' sweeps (bench/NOTES.md #30); add + RMSNorm prenorm keeps 16 (4: 81%, 16:
     78%, 8: 53%). Its 4096-column block with one partial takes 4 (RMSNorm bf16 85 -> 90%,
     fp16 75 -> 89%: on 8 warps fp16 took 72 registers, past 64; bench/NOTES.md #41), where
-    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%). Its padded
-    8192-column block of 16-bit rows (``n_cols`` < 8192; on Triton 3.9 also 8192) takes
-    BWD_PLAIN_8K_WARPS (#113), and the x1 path with dropout at 2048 BWD_X1_DROPOUT_2K_WARPS
-    (#114).
+    add + RMSNorm keeps 8 (94% vs 85%) and LayerNorm is even (85.6 vs 84.7%). RMSNorm of x
+    alone in a padded 8192-column block of 16-bit rows (``n_cols`` < 8192; on Triton 3.9 also
+    8192) takes BWD_PLAIN_8K_WARPS (#113). The x1 path with dropout at 2048 takes
+    BWD_X1_DROPOUT_2K_WARPS (#114), without dropout at 1024 BWD_X1_1K_WARPS where its
+    Triton and element width measured faster (#116).
 
     Graph-replay sweeps of 2026-11-24 (H200, bench/NOTES.md #53), two runs each: RMSNorm of x
     alone held as two blocks (5120 = 4096 + 1024) on 8 warps instead of 16, bf16 82.3 -> 94.7%,
@@ -1115,6 +1128,12 @@ def bwd_num_warps(
     if partials >= 4 and block_n <= 2048:
         if dropout and block_n == 2048:
             return BWD_X1_DROPOUT_2K_WARPS
+        if (
+            not dropout
+            and block_n == 1024
+            and (elem_bytes == 2) == (TRITON_VERSION >= BWD_X1_1K_16BIT_FROM)
+        ):
+            return BWD_X1_1K_WARPS
         return 1 if block_n <= 512 else 2
     if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:
         return 2

@@ -118,6 +118,9 @@ MATRIX = (
     # The x1 path with dropout on 4 warps at 1025-2048 columns (#114), 2 at 1024
     + [("x1_w1_drop", n, d) for n, d in ((2048, BF16), (1536, FP16), (1024, BF16))]
     + [("x1_w1_drop", 2048, FP32)]
+    # ... and without dropout at 1024 columns: 4-byte rows on 4 warps on Triton 3.6, 16-bit
+    # rows on Triton 3.9 (#116)
+    + [("x1_w1", 1024, FP32), ("x1_w1_fp32res", 1024, BF16), ("x1_w1", 1024, BF16)]
     # Rows of 4-byte elements (bench/NOTES.md #57): one 16K block with dropout under a cap of
     # 64 (bf16 x, fp32 stream) or on 32 warps under 80 (fp32), x1 with an fp32 stream on 32
     # warps under 64, split rows with dropout on 2 warps; add + RMSNorm's backward on 16

@@ -581,7 +581,8 @@ def test_backward_warps_of_512_and_1k_rows():
             assert config.bwd_num_warps(1024, partials, plain=plain) == 2
         assert config.bwd_num_warps(1024, partials, elem_bytes=4) == 4
         assert config.bwd_num_warps(1024, partials, dropout=True) == 4
-    assert config.bwd_num_warps(1024, 4) == 2  # the x1 path, as before
+    with patched_config(TRITON_VERSION=(3, 6)):
+        assert config.bwd_num_warps(1024, 4) == 2  # the x1 path, as before
     # ... but with dropout at 2048 on 4 (bench/NOTES.md #114), whatever the dtype
     for elem_bytes in (2, 4):
         assert config.bwd_num_warps(2048, 4, dropout=True, elem_bytes=elem_bytes) == 4
@@ -589,6 +590,14 @@ def test_backward_warps_of_512_and_1k_rows():
     assert config.bwd_num_warps(1024, 4, dropout=True) == 2
     assert config.bwd_layout(1536, 2, 4, True, False) == (2048, 1, 0, 4)
     assert config.bwd_layout(2048, 2, 4, False, False) == (2048, 1, 0, 2)
+    # ... and without dropout at 1024 (#116): 16-bit rows on Triton 3.9, 4-byte before
+    for version, four in (((3, 6), 4), ((3, 9), 2)):
+        with patched_config(TRITON_VERSION=version):
+            assert config.bwd_num_warps(1024, 4, elem_bytes=four) == 4, version
+            assert config.bwd_num_warps(1024, 4, elem_bytes=6 - four) == 2, version
+            assert config.bwd_num_warps(1024, 4, dropout=True, elem_bytes=four) == 2
+            assert config.bwd_num_warps(512, 4, elem_bytes=four) == 1
+            assert config.bwd_layout(768, four, 4, False, False) == (1024, 1, 0, 4)
     assert config.bwd_num_warps(2048, 2) == 4
     # 512 columns without dropout: 1 warp, but RMSNorm of x alone keeps 2
     assert config.bwd_num_warps(512, 2, plain=True) == 1
@@ -680,6 +689,10 @@ def test_backward_warps_reach_the_launch(monkeypatch):
             assert bwd(n, torch.bfloat16, x1=True, dropout_p=0.1) == (2048, 4, None)
             assert bwd(n, torch.bfloat16, x1=True) == (2048, 2, None)
         assert bwd(1024, torch.bfloat16, x1=True, dropout_p=0.1)[1] == 2
+        sixteen = 4 if version >= (3, 9) else 2  # #116
+        assert bwd(1024, torch.bfloat16, x1=True)[1] == sixteen
+        assert bwd(768, torch.float16, x1=True)[1] == sixteen
+        assert bwd(1024, torch.float32, x1=True)[1] == 6 - sixteen
         ln_cap = 96 if version >= (3, 9) else None
         for n, dtype in ((2048, torch.bfloat16), (1536, torch.float16)):
             assert bwd(n, dtype, ln=True) == (2048, 4, ln_cap), (n, dtype)
