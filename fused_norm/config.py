@@ -1128,11 +1128,8 @@ def bwd_num_warps(
     if partials >= 4 and block_n <= 2048:
         if dropout and block_n == 2048:
             return BWD_X1_DROPOUT_2K_WARPS
-        if (
-            not dropout
-            and block_n == 1024
-            and (elem_bytes == 2) == (TRITON_VERSION >= BWD_X1_1K_16BIT_FROM)
-        ):
+        measured = 2 if TRITON_VERSION >= BWD_X1_1K_16BIT_FROM else 4  # element bytes
+        if not dropout and block_n == 1024 and elem_bytes == measured:
             return BWD_X1_1K_WARPS
         return 1 if block_n <= 512 else 2
     if block_n == 1024 and partials <= 2 and not dropout and elem_bytes <= 2:

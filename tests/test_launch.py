@@ -519,7 +519,7 @@ def test_register_caps_only_where_measured():
 
 def test_backward_warps_of_a_plain_rmsnorm():
     """RMSNorm of x alone (one partial) takes 4 warps at 4096 columns and 8 at 8192; add +
-    RMSNorm keeps 8 at 4096, LayerNorm (two partials) too (bench/NOTES.md #30, #41). Its
+    RMSNorm keeps 8 at 4096, LayerNorm (two partials) too (bench/NOTES.md #30, #41). RMSNorm's
     padded 8192 block of 16-bit rows takes 16 (#113), and so does 8192 itself on Triton 3.9."""
     from fused_norm import config
 
@@ -664,17 +664,16 @@ def test_backward_warps_reach_the_launch(monkeypatch):
         w = torch.randn(n, dtype=wdtype or dtype)
         kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not (x1 or ln))
         if x1:
-            kw.update(weight1=w, bias1=w, dy1=dy, x1_dtype=dtype, residual_dtype=dtype,
-                      dresidual_out=dy)  # fmt: skip
-        if res:
+            kw.update(dy1=dy, x1_dtype=dtype)
+        if x1 or res:
             kw.update(residual_dtype=dtype, dresidual_out=dy)
         if dropout_p:
             kw.update(seeds=torch.zeros(2 * m, dtype=torch.int64), dropout_p=dropout_p)
         config.settings_changed()
         launched.clear()
         bias = w if (x1 or ln or rms_bias) else None
-        ops.fused_norm_bwd(dy, s, w, bias, kw.pop("weight1", None), kw.pop("bias1", None),
-                           **kw)  # fmt: skip
+        w1 = w if x1 else None
+        ops.fused_norm_bwd(dy, s, w, bias, w1, w1, **kw)
         return launched[0]
 
     for version, exact in (((3, 6), 8), ((3, 9), 16)):
