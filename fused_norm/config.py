@@ -1723,6 +1723,47 @@ def bwd_joint_row_sums(
     return not (partials >= 4 and block_n == 1024 and stages > 1)
 
 
+# Triton 3.9 adds the values a thread holds of a row sum in a tree (triton-lang/triton#9220;
+# 3.6 added them one after another). In RMSNorm's backward of x alone in one 4096-column block
+# on 4 warps (2049-4096 columns, 16-bit rows and weights) ptxas then issued three of the row's
+# twelve 16-byte loads after the maths on the rest (offline SASS, 127 registers against 3.6's
+# 128): each thread's four repeats of the layout are folded in order before the tree
+# (kernels._fold_repeats) on Triton BWD_SUM_REPEATS_FROM or later, and the loads are all
+# issued first again. Bench-style A/B of triton 3.9's cubins (H200, 2026-11-26, bench/NOTES.md
+# #117), tree -> folded: bf16 4096 230.0 -> 216.8 us (3.6: 216.3), fp16 4096 228.5 -> 215.5
+# (3.6: 216.1), bf16 3072 251.3 -> 220.6 (3.6: 219.2); on 3.6 the fold was even or behind
+# (216.6 -> 216.8, 215.8 -> 216.4, 219.6 -> 220.5), so it is left out there. Offline (3.9) the
+# fold did not help the other one-block rows (their repeats counted alike, two each): add +
+# RMSNorm at 4096 (8 warps) 74 -> 123 registers, at 5120 (16 warps) 16 -> 64 bytes spilled;
+# RMSNorm at 2048 spilled 16 bytes (none unfolded), at 8192 unchanged; LayerNorm at 1024 (its
+# joint sums folded) 115 -> 118 registers.
+BWD_SUM_REPEATS_FROM = (3, 9)
+BWD_SUM_REPEATS_LAYOUTS = ((4096, 4),)  # (block, warps) of the rows above
+
+
+def bwd_sum_repeats(block_n: int, num_chunks: int, tail: int, tile_rows: int, warps: int,
+                    plain_rms: bool, elem_bytes: int, w4: bool) -> int:  # fmt: skip
+    """How many repeats of its layout each thread's values of a backward row sum are folded
+    over before the sum (kernels._fold_repeats; 1: not folded): 4 on Triton
+    BWD_SUM_REPEATS_FROM or later for RMSNorm of x alone without a bias or a zero-centred
+    weight (``plain_rms``), in one block on the warps of BWD_SUM_REPEATS_LAYOUTS, of 16-bit
+    rows (``elem_bytes``: the widest row tensor) and weights (not ``w4``). A thread of a
+    16-bit row holds 8 columns per 16-byte load, so a block of ``block_n`` columns on
+    ``warps`` warps repeats block_n / (8 * 32 * warps) times."""
+    if (
+        TRITON_VERSION >= BWD_SUM_REPEATS_FROM
+        and (block_n, warps) in BWD_SUM_REPEATS_LAYOUTS
+        and num_chunks == 1
+        and not tail
+        and tile_rows == 1
+        and plain_rms
+        and elem_bytes <= 2
+        and not w4
+    ):
+        return block_n // (8 * 32 * warps)
+    return 1
+
+
 def bwd_exchange_reload(partials: int) -> bool:
     """Whether the exchange's row sums come from one more read of the words after a barrier
     (kernels._exchanged_row_sums): with four partials (the x1 path) that measured faster."""

@@ -209,6 +209,27 @@ def _pair_sums(a, b, axis: tl.constexpr):
 
 
 @triton.jit
+def _fold_repeats(p, BLOCK_N: tl.constexpr, REPEATS: tl.constexpr):
+    """A ``(BLOCK_N,)`` row of values summed over its REPEATS quarters, element by element,
+    in their order (((q0 + q1) + q2) + q3): ``(BLOCK_N // REPEATS,)`` values with the row's
+    sum. Where each thread holds one value of every quarter (its REPEATS repeats of the
+    layout, at a stride of BLOCK_N // REPEATS), the reshape, permute and splits move no data
+    and the adds run in each thread one after another, as Triton 3.6's tl.sum added a
+    thread's values; Triton 3.9 adds them in a tree (triton-lang/triton#9220), and in
+    RMSNorm's backward at 4096 columns ptxas then issued a quarter of the row's loads after
+    the maths on the rest (config.bwd_sum_repeats). REPEATS 1 returns the row as it is."""
+    tl.static_assert(REPEATS == 1 or REPEATS == 4, "_fold_repeats: REPEATS is 1 or 4")
+    if REPEATS == 4:
+        q = tl.permute(tl.reshape(p, [2, 2, BLOCK_N // 4]), (2, 0, 1))
+        even, odd = tl.split(q)  # quarters (0, 2) and (1, 3)
+        q0, q2 = tl.split(even)
+        q1, q3 = tl.split(odd)
+        return ((q0 + q1) + q2) + q3
+    else:
+        return p
+
+
+@triton.jit
 def _sums(s, axis: tl.constexpr):
     """``(sum(s), sum(s * s))`` along ``axis`` in one reduction (_pair_sums)."""
     return _pair_sums(s, s * s, axis)
@@ -1311,6 +1332,7 @@ def _fused_norm_bwd_kernel(
     BOUNDED_WAIT: tl.constexpr,  # EXCHANGE: stop waiting after max_polls (interpreter)
     EXCHANGE_RELOAD: tl.constexpr,  # EXCHANGE: the row sums from one more read (_exchanged_row_sums)
     JOINT_ROW_SUMS: tl.constexpr,  # LayerNorm's c1, c2 (or a block's word of them) in one reduction
+    SUM_REPEATS: tl.constexpr,  # one-block rows' separate sums folded first (_fold_repeats)
     GDC: tl.constexpr,  # a programmatic dependent of the pre-pass (or of its shares' sum)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
@@ -1404,12 +1426,12 @@ def _fused_norm_bwd_kernel(
                 if not IS_RMS_NORM:
                     c2 = tl.load(C12 + 2 * row + 1)
             elif IS_RMS_NORM or not JOINT_ROW_SUMS:
-                c1 = tl.sum(xhat * wdy, axis=0)
+                c1 = tl.sum(_fold_repeats(xhat * wdy, BLOCK_N, SUM_REPEATS), axis=0)
                 if TAIL_N > 0:
                     c1 += tl.sum(txhat * twdy, axis=0)
                 c1 = c1 / N
                 if not IS_RMS_NORM:
-                    c2 = tl.sum(wdy, axis=0)
+                    c2 = tl.sum(_fold_repeats(wdy, BLOCK_N, SUM_REPEATS), axis=0)
                     if TAIL_N > 0:
                         c2 += tl.sum(twdy, axis=0)
                     c2 = c2 / N

@@ -565,6 +565,7 @@ def _bwd_plan(
     plain = (dresidual_out is None and dresidual is None and dx1 is None and x0 is None
              and rowscale is None and layerscale is None and dropout_p == 0.0)  # fmt: skip
     plain_full = plain and not tail and s.shape[-1] == block_n
+    plain_rms = plain and is_rms_norm and partials == 1 and not zero_centered_weight
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
     key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full,
            tail)  # fmt: skip
@@ -593,6 +594,9 @@ def _bwd_plan(
         EXCHANGE_RELOAD=exchange and config.bwd_exchange_reload(partials),
         JOINT_ROW_SUMS=config.bwd_joint_row_sums(
             block_n, num_chunks, tail, partials, stages, dropout_p > 0.0
+        ),
+        SUM_REPEATS=config.bwd_sum_repeats(
+            block_n, num_chunks, tail, tile_rows, warps, plain_rms, max(row_sizes), w4
         ),
         GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,

@@ -175,6 +175,26 @@ def test_gpu_matches_reference(flags, n, dtype):
     check_case(_case(flags, n, dtype), "fn", device="cuda")
 
 
+@pytest.mark.parametrize("n, dtype", [(4096, BF16), (4096, FP16), (3072, BF16)])
+def test_gpu_folded_row_sums_match_reference(n, dtype, monkeypatch):
+    """RMSNorm of x alone at 3072-4096 columns with its backward's row sum folded over the
+    layout's four repeats (kernels._fold_repeats), as on Triton 3.9 (config.bwd_sum_repeats,
+    bench/NOTES.md #117), forced on the device's Triton: matches the fp64 reference."""
+    from fused_norm import config
+
+    monkeypatch.setattr(config, "BWD_SUM_REPEATS_FROM", (0,))
+    rule = config.bwd_sum_repeats
+    answers = []
+
+    def recorded(*args):
+        answers.append(rule(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(config, "bwd_sum_repeats", recorded)
+    check_case(_case("rms", n, dtype), "fn", device="cuda")
+    assert 4 in answers, answers
+
+
 @pytest.mark.parametrize(
     "n, dtype", [(1024, FP32), (4096, BF16), (12288, BF16), (16384, BF16), (16384, FP32),
                  (65536, FP32), (65536, FP16), (131072, FP16), (262144, BF16)],

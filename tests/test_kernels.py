@@ -49,6 +49,7 @@ ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
 
 EXAMPLES_FN = 560
 EXAMPLES_TWO_BLOCKS = 120
+EXAMPLES_FOLDED = 20
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
@@ -151,6 +152,23 @@ def test_fn_two_blocks_match_reference(case, joint):
     config.bwd_joint_row_sums)."""
     count_example("test_fn_two_blocks_match_reference")
     with tail_blocks(True), patched_config(bwd_joint_row_sums=lambda *args: joint):
+        check_case(case, "fn")
+
+
+@settings(max_examples=EXAMPLES_FOLDED)
+@given(case=cases("fn", min_n=4), joint=st.booleans())
+def test_folded_row_sums_match_reference(case, joint):
+    """The backward's row sums of one-block rows folded over four repeats of the row before
+    the sum (kernels._fold_repeats), forced for every block of 4 or more columns, one row at a
+    time: RMSNorm's c1 and, where LayerNorm takes two separate sums (``joint`` off), its c1
+    and c2. On a GPU only RMSNorm of x alone at 4096 columns on 4 warps folds, with Triton 3.9
+    (config.bwd_sum_repeats)."""
+    count_example("test_folded_row_sums_match_reference")
+    folded = patched_config(
+        bwd_sum_repeats=lambda block_n, *args: 4 if block_n >= 4 else 1,
+        bwd_joint_row_sums=lambda *args: joint,
+    )
+    with one_row_per_program(), folded:
         check_case(case, "fn")
 
 

@@ -548,6 +548,26 @@ def test_backward_warps_of_a_plain_rmsnorm():
         assert config.bwd_maxnreg(8192, 1, False, 1, gpu, 0, 16, 2, True) == 64
 
 
+def test_backward_sum_repeats_only_where_measured():
+    """config.bwd_sum_repeats (bench/NOTES.md #117): RMSNorm of x alone in one 4096-column
+    block on 4 warps, 16-bit rows and weights, folds its row sum over the layout's four
+    repeats on Triton 3.9; any other block, warps, chunks, tail, tile, row kind or width,
+    and Triton 3.6, do not."""
+    from fused_norm import config
+
+    # (block_n, num_chunks, tail, tile_rows, warps, plain_rms, elem_bytes, w4)
+    base = (4096, 1, 0, 1, 4, True, 2, False)
+    changes = ((0, 2048), (0, 8192), (1, 2), (2, 1024), (3, 2), (4, 8), (5, False), (6, 4),
+               (7, True))  # fmt: skip
+    with patched_config(TRITON_VERSION=(3, 9)):
+        assert config.bwd_sum_repeats(*base) == 4
+        for i, value in changes:
+            args = base[:i] + (value,) + base[i + 1 :]
+            assert config.bwd_sum_repeats(*args) == 1, args
+    with patched_config(TRITON_VERSION=(3, 6)):
+        assert config.bwd_sum_repeats(*base) == 1
+
+
 def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     """bench/NOTES.md #53: add + RMSNorm (one partial, not a norm of x alone) of 16-bit rows of
     4097-8192 columns takes the padded 8192 block on 16 warps (under the register cap of
@@ -639,18 +659,20 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     64, at 8192 on 8 (fp16 under 128), and at 8192 on 16 with Triton 3.9 (bench/NOTES.md
     #113); the x1 path with dropout at 1536 / 2048 on 4 warps, without dropout on 2 (#114);
     LayerNorm of x alone at 1536 / 2048 capped at 96 with Triton 3.9, but with fp32 weights,
-    a residual gradient or a bias on RMSNorm (#115)."""
+    a residual gradient or a bias on RMSNorm (#115); RMSNorm of x alone at 3072 / 4096 with
+    its row sum folded over four repeats with Triton 3.9 (#117)."""
     monkeypatch.setattr(config, "_nvidia", lambda device: True)
     monkeypatch.setattr(config, "_sm90", lambda index: True)
     monkeypatch.setattr(config, "_smem_ok", lambda index: False)
     monkeypatch.setattr(config, "INTERPRETED", False)
     monkeypatch.setattr(config, "sm_count", lambda device: 132)
-    launched = []
+    launched, folds = [], []
 
     class Recorder:
         def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None,
                      on_miss=None, maxnreg=None):  # fmt: skip
             launched.append((constexprs["BLOCK_N"], num_warps, maxnreg))
+            folds.append(constexprs["SUM_REPEATS"])
 
         def warm(self, *args, **kwargs):
             pass
@@ -658,11 +680,13 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     monkeypatch.setattr(ops, "_BWD", Recorder())
     monkeypatch.setattr(ops, "_RED", lambda *args, **kwargs: None)
 
-    def bwd(n, dtype, x1=False, dropout_p=0.0, ln=False, wdtype=None, rms_bias=False, res=False):
+    def bwd(n, dtype, x1=False, dropout_p=0.0, ln=False, wdtype=None, rms_bias=False, res=False,
+            zcw=False):  # fmt: skip
         m = 4
         dy, s = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
         w = torch.randn(n, dtype=wdtype or dtype)
-        kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not (x1 or ln))
+        kw = dict(mean=torch.zeros(m), rstd=torch.ones(m), is_rms_norm=not (x1 or ln),
+                  zero_centered_weight=zcw)  # fmt: skip
         if x1:
             kw.update(dy1=dy, x1_dtype=dtype)
         if x1 or res:
@@ -701,6 +725,20 @@ def test_backward_warps_reach_the_launch(monkeypatch):
         assert bwd(2048, torch.float32, ln=True)[2] is None
         assert bwd(1024, torch.bfloat16, ln=True)[2] is None
         assert bwd(4096, torch.bfloat16, ln=True)[2] is None
+        # RMSNorm of x alone in the 4096 block on 4 warps folds its row sum with Triton 3.9
+        # (#117); with a bias, a zero-centred weight, fp32 weights or rows, a residual's
+        # gradient, LayerNorm or other blocks it does not
+        fold = 4 if version >= (3, 9) else 1
+        for n, dtype in ((4096, torch.bfloat16), (3072, torch.bfloat16), (4096, torch.float16)):
+            assert bwd(n, dtype) == (4096, 4, None) and folds[-1] == fold, (n, dtype)
+        for kw in (dict(rms_bias=True), dict(zcw=True), dict(wdtype=torch.float32),
+                   dict(res=True), dict(ln=True)):  # fmt: skip
+            bwd(4096, torch.bfloat16, **kw)
+            assert folds[-1] == 1, kw
+        for n, dtype in ((4096, torch.float32), (2048, torch.bfloat16), (8192, torch.bfloat16),
+                         (5120, torch.bfloat16)):  # fmt: skip
+            bwd(n, dtype)
+            assert folds[-1] == 1, (n, dtype)
     config.settings_changed()
 
 
