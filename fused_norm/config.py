@@ -1742,16 +1742,19 @@ BWD_SUM_REPEATS_LAYOUTS = ((4096, 4),)  # (block, warps) of the rows above
 
 
 def bwd_sum_repeats(block_n: int, num_chunks: int, tail: int, tile_rows: int, warps: int,
-                    plain_rms: bool, elem_bytes: int, w4: bool) -> int:  # fmt: skip
+                    plain_rms: bool, elem_bytes: int, w4: bool,
+                    device: torch.device) -> int:  # fmt: skip
     """How many repeats of its layout each thread's values of a backward row sum are folded
     over before the sum (kernels._fold_repeats; 1: not folded): 4 on Triton
     BWD_SUM_REPEATS_FROM or later for RMSNorm of x alone without a bias or a zero-centred
     weight (``plain_rms``), in one block on the warps of BWD_SUM_REPEATS_LAYOUTS, of 16-bit
-    rows (``elem_bytes``: the widest row tensor) and weights (not ``w4``). A thread of a
-    16-bit row holds 8 columns per 16-byte load, so a block of ``block_n`` columns on
-    ``warps`` warps repeats block_n / (8 * 32 * warps) times."""
+    rows (``elem_bytes``: the widest row tensor) and weights (not ``w4``), on an NVIDIA GPU
+    (measured there; a warp of another width repeats the layout another number of times). A
+    thread of a 16-bit row holds 8 columns per 16-byte load, so a block of ``block_n``
+    columns on ``warps`` warps of 32 threads repeats block_n / (8 * 32 * warps) times."""
     if (
         TRITON_VERSION >= BWD_SUM_REPEATS_FROM
+        and _nvidia(device)
         and (block_n, warps) in BWD_SUM_REPEATS_LAYOUTS
         and num_chunks == 1
         and not tail

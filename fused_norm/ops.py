@@ -596,7 +596,7 @@ def _bwd_plan(
             block_n, num_chunks, tail, partials, stages, dropout_p > 0.0
         ),
         SUM_REPEATS=config.bwd_sum_repeats(
-            block_n, num_chunks, tail, tile_rows, warps, plain_rms, max(row_sizes), w4
+            block_n, num_chunks, tail, tile_rows, warps, plain_rms, max(row_sizes), w4, dev
         ),
         GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,

@@ -551,20 +551,24 @@ def test_backward_warps_of_a_plain_rmsnorm():
 def test_backward_sum_repeats_only_where_measured():
     """config.bwd_sum_repeats (bench/NOTES.md #117): RMSNorm of x alone in one 4096-column
     block on 4 warps, 16-bit rows and weights, folds its row sum over the layout's four
-    repeats on Triton 3.9; any other block, warps, chunks, tail, tile, row kind or width,
-    and Triton 3.6, do not."""
+    repeats on Triton 3.9 on an NVIDIA GPU; any other block, warps, chunks, tail, tile, row
+    kind or width, another device, and Triton 3.6, do not."""
     from fused_norm import config
 
-    # (block_n, num_chunks, tail, tile_rows, warps, plain_rms, elem_bytes, w4)
-    base = (4096, 1, 0, 1, 4, True, 2, False)
+    # (block_n, num_chunks, tail, tile_rows, warps, plain_rms, elem_bytes, w4, device)
+    base = (4096, 1, 0, 1, 4, True, 2, False, torch.device("cuda", 0))
     changes = ((0, 2048), (0, 8192), (1, 2), (2, 1024), (3, 2), (4, 8), (5, False), (6, 4),
-               (7, True))  # fmt: skip
-    with patched_config(TRITON_VERSION=(3, 9)):
+               (7, True), (8, torch.device("cpu")))  # fmt: skip
+
+    def nvidia(device):
+        return device.type == "cuda"
+
+    with patched_config(TRITON_VERSION=(3, 9), _nvidia=nvidia):
         assert config.bwd_sum_repeats(*base) == 4
         for i, value in changes:
             args = base[:i] + (value,) + base[i + 1 :]
             assert config.bwd_sum_repeats(*args) == 1, args
-    with patched_config(TRITON_VERSION=(3, 6)):
+    with patched_config(TRITON_VERSION=(3, 6), _nvidia=nvidia):
         assert config.bwd_sum_repeats(*base) == 1
 
 
