@@ -558,13 +558,14 @@ def _bwd_plan(
     remembered (_STAGES_THAT_FIT) and its register cap. Tensors may be Stand-ins; ``w4``:
     the weights are 4-byte (_param_bytes)."""
     row_sizes = _row_sizes(s, dy, dy1, dresidual_out, x0)
-    row_bytes = sum(row_sizes)
+    row_bytes, widest = sum(row_sizes), max(row_sizes)
     tile_rows = config.bwd_tile_rows(block_n, num_chunks, tail, dropout_p > 0.0)
     exchange = _exchanges(c12)
     # A norm of x alone, and one whose row fills its one block (config.bwd_row_stages).
     plain = (dresidual_out is None and dresidual is None and dx1 is None and x0 is None
              and rowscale is None and layerscale is None and dropout_p == 0.0)  # fmt: skip
     plain_full = plain and not tail and s.shape[-1] == block_n
+    plain_ln = plain and not is_rms_norm
     plain_rms = plain and is_rms_norm and partials == 1 and not zero_centered_weight
     # A tile's pipeline buffers hold tile_rows rows: the stage count sizes them per column.
     key = (dev, block_n, row_bytes * tile_rows, dropout_p > 0.0, num_chunks, partials, plain_full,
@@ -596,15 +597,15 @@ def _bwd_plan(
             block_n, num_chunks, tail, partials, stages, dropout_p > 0.0
         ),
         SUM_REPEATS=config.bwd_sum_repeats(
-            block_n, num_chunks, tail, tile_rows, warps, plain_rms, max(row_sizes), w4, dev
+            block_n, num_chunks, tail, tile_rows, warps, plain_rms, widest, w4, dev
         ),
         GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,
     )
     fp16 = dy.dtype == torch.float16
     maxnreg = config.bwd_maxnreg(
-        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, max(row_sizes), fp16,
-        plain and not is_rms_norm, w4,
+        block_n, num_chunks, dropout_p > 0.0, partials, dev, tail, warps, widest, fp16, plain_ln,
+        w4,
     )  # fmt: skip
     return flags, key, maxnreg
 
