@@ -1767,6 +1767,67 @@ def bwd_sum_repeats(block_n: int, num_chunks: int, tail: int, tile_rows: int, wa
     return 1
 
 
+# One-block backward rows that hold their loaded 16-bit s, dy and w across the row sums, and do
+# the row's maths again from them after the sums (kernels._bwd_held_rows, constexpr RECOMPUTE),
+# instead of holding its fp32 xhat and w*dy there beside the partial gradients: LayerNorm of x
+# alone, compiled by Triton BWD_RECOMPUTE_FROM or later. Offline (sm_90, triton 3.9) its
+# 1024-column block on 2 warps took 115 -> 96 registers (8 -> 10 programs per SM, as 3.6's 96
+# unheld), its 2048 block on 4 warps, under #115's cap of 96, no spill (16 bytes unheld).
+# Bench-style A/B of 3.9's cubins (H200, 2026-11-26, bench/NOTES.md #118), backward, unheld
+# -> held: bf16 1024 230.6 -> 220.4 us and 230.7 -> 220.5 (two calls; 3.6 217.1-217.4), 784
+# 270.6 -> 256.9 (3.6 249.5), 2048 233.9 -> 228.9 (3.6 227.3), fp16 2048 233.2 -> 230.8 (3.6
+# 222.3). Left out: fp16 1024 (113 -> 107 registers, 227.6 -> 227.8), bf16 1536 (the padded
+# 2048 block: 262.3 -> 265.6), the 512 block on 1 warp (96 -> 114 registers), and every row
+# on triton 3.6: there LayerNorm bf16 512 took 95 -> 79 registers (21 -> 25 programs per SM)
+# yet ran 221.1 -> 218.5 us (four rounds; the kernel alone 204.0 -> 207.2), fp16 512 215.8 ->
+# 217.4, bf16 384 230.9 -> 239.5, 784 249.5 -> 258.4, 1536 257.9 -> 266.7, 1024 217.4 ->
+# 221.3, RMSNorm 1024 211.5 -> 214.5.
+# Rows: (block, warps, row kind, x's dtype, only rows that fill the block). Row kind "ln" is a
+# LayerNorm of x alone with a bias and a plain weight (no residual, dropout, rowscale,
+# layerscale or zero-centred weight); rows and weights 16-bit, of one dtype. Only widths of a
+# multiple of 16 columns (BWD_RECOMPUTE_ALIGN): Triton specialises such widths (and strides),
+# and the masked loads of others took more registers held than not (3.6, 300 / 500 columns:
+# 128 -> 151; 3.9, 600 / 1000: 154 -> 175).
+BWD_RECOMPUTE_FROM = (3, 9)
+BWD_RECOMPUTE_ROWS = (
+    (1024, 2, "ln", "bf16", False),
+    (2048, 4, "ln", "bf16", True),
+    (2048, 4, "ln", "fp16", True),
+)
+BWD_RECOMPUTE_ALIGN = 16
+
+
+def bwd_recompute(block_n: int, num_chunks: int, tail: int, tile_rows: int, stages: int,
+                  exchange: bool, warps: int, row_kind: str, dtype: str, w4: bool,
+                  n_cols: int, device: torch.device) -> bool:  # fmt: skip
+    """Whether a backward row holds its loads across its row sums (kernels' RECOMPUTE): one
+    block without a tail, a tile or a pipeline (``stages`` 1), not exchanging, on an NVIDIA GPU
+    (the hold is inline PTX), with Triton BWD_RECOMPUTE_FROM or later, where
+    BWD_RECOMPUTE_ROWS lists the block, ``warps``, ``row_kind`` ("ln", or "" for a row it
+    does not name) and ``dtype`` (of s and dy: "bf16" / "fp16", or "" for others), with
+    weights of 16 bits (not ``w4``) and a width ``n_cols`` that BWD_RECOMPUTE_ALIGN divides
+    (equal to the block where the row says so)."""
+    if not (
+        TRITON_VERSION >= BWD_RECOMPUTE_FROM
+        and n_cols % BWD_RECOMPUTE_ALIGN == 0
+        and num_chunks == 1
+        and not tail
+        and tile_rows == 1
+        and stages == 1
+        and not exchange
+        and row_kind
+        and dtype
+        and not w4
+        and _nvidia(device)
+    ):
+        return False
+    return any(
+        (block, w, kind, dt) == (block_n, warps, row_kind, dtype)
+        and (n_cols == block_n or not full)
+        for block, w, kind, dt, full in BWD_RECOMPUTE_ROWS
+    )
+
+
 def bwd_exchange_reload(partials: int) -> bool:
     """Whether the exchange's row sums come from one more read of the words after a barrier
     (kernels._exchanged_row_sums): with four partials (the x1 path) that measured faster."""

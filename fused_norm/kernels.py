@@ -930,6 +930,27 @@ def _fused_norm_fwd_kernel(
 
 
 @triton.jit
+def _xhat(s, mean, rstd, mask, IS_RMS_NORM: tl.constexpr):
+    """A backward row's normalised values, zero beyond N (``mask``) for LayerNorm, as
+    _row_grads computes them (which spells them out: written through _xhat and _weight, the
+    x1 path's backward at 8192 columns compiled to other SASS on triton 3.6)."""
+    if IS_RMS_NORM:
+        return s * rstd
+    else:
+        return tl.where(mask, (s - mean) * rstd, 0.0)
+
+
+@triton.jit
+def _weight(w, col_mask, ZERO_CENTERED_WEIGHT: tl.constexpr):
+    """A backward row's weights as loaded (``w``, zero beyond N) in fp32, plus one if stored
+    zero-centred."""
+    w = w.to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w = tl.where(col_mask, w + 1.0, 0.0)
+    return w
+
+
+@triton.jit
 def _row_grads(
     S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, mask, stride_s_row, stride_dy_row,
     stride_dy1_row, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
@@ -1279,6 +1300,88 @@ def _bwd_row_tiles(
             tl.sum(dls, axis=0))  # fmt: skip
 
 
+# Inline PTX: a register copied as it is; the second operand ($2) is read by nothing but must be
+# known first (_held).
+_HELD_ASM_16 = tl.constexpr("{ mov.b16 $0, $1; }")
+_HELD_ASM_32 = tl.constexpr("{ mov.b32 $0, $1; }")
+GPU_BUILD = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def _held(h, after):
+    """The loaded values ``h`` (16- or 32-bit, as stored) again, through an opaque copy that
+    waits for the scalar ``after``: the compiler can neither merge their conversion to fp32
+    with an earlier one nor move it before ``after`` is known, so what stays live until then
+    is h itself (_bwd_held_rows). Inline PTX on a GPU; the interpreter returns h."""
+    if not GPU_BUILD:
+        return h
+    dep = after.to(tl.uint32, bitcast=True) + tl.zeros(h.shape, dtype=tl.uint32)
+    if h.dtype.primitive_bitwidth == 16:
+        bits = h.to(tl.uint16, bitcast=True)
+        copy = tl.inline_asm_elementwise(_HELD_ASM_16, "=h,h,r", [bits, dep], dtype=tl.uint16,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        bits = h.to(tl.uint32, bitcast=True)
+        copy = tl.inline_asm_elementwise(_HELD_ASM_32, "=r,r,r", [bits, dep], dtype=tl.uint32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    return copy.to(h.dtype, bitcast=True)
+
+
+@triton.jit
+def _bwd_held_rows(
+    S, W, MEAN, RSTD, DY, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL,
+    row_start, row_end, col0, cols, col_mask, stride_s_row, stride_dy_row, stride_dres_out_row,
+    stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, M, N, dropout_p,
+    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_X1: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
+):  # fmt: skip
+    """The backward of a program's one-block rows (no tail, no second weight) that holds each
+    row's loaded s, dy and w, not their fp32 xhat and w*dy, across its row sums: the maths
+    is done again from the held values after them (``_held``), with the same operations, so
+    the results are the same bits. Across the sums' exchanges a thread then keeps half the
+    registers of the row (16-bit rows), beside the partial gradients (kernels' RECOMPUTE,
+    config.bwd_recompute). Returns the partial gradients (dw, db, dls)."""
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for row in tl.range(row_start, row_end):
+        s_h = tl.load(S + row * stride_s_row + cols, mask=col_mask, other=0.0)
+        dy_h = tl.load(DY + row * stride_dy_row + cols, mask=col_mask, other=0.0)
+        w_h = tl.load(W + cols, mask=col_mask, other=0.0)
+        rstd = tl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS_NORM:
+            mean = tl.load(MEAN + row)
+        xhat = _xhat(s_h.to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
+        wdy = _weight(w_h, col_mask, ZERO_CENTERED_WEIGHT) * dy_h.to(tl.float32)
+        c2 = 0.0
+        if IS_RMS_NORM or not JOINT_ROW_SUMS:
+            c1 = tl.sum(xhat * wdy, axis=0) / N
+            if not IS_RMS_NORM:
+                c2 = tl.sum(wdy, axis=0) / N
+        else:
+            c1, c2 = _pair_sums(xhat * wdy, wdy, 0)
+            c1 = c1 / N
+            c2 = c2 / N
+        xhat = _xhat(_held(s_h, c1).to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
+        dy = _held(dy_h, c1).to(tl.float32)
+        wdy = _weight(_held(w_h, c1), col_mask, ZERO_CENTERED_WEIGHT) * dy
+        dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+        dls_row = _block_input_grads(
+            xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,
+            LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
+            stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
+            HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, 0,
+        )  # fmt: skip
+        if HAS_LAYERSCALE:
+            dls += dls_row
+    return dw, db, dls
+
+
 # M and the two integers that follow from the program count are not specialised on, so that one
 # compiled kernel serves every grid: ops asks that kernel how many programs fit on a
 # multiprocessor (Launcher.resident) before it sizes the grid.
@@ -1335,6 +1438,7 @@ def _fused_norm_bwd_kernel(
     SUM_REPEATS: tl.constexpr,  # one-block rows' separate sums folded first (_fold_repeats)
     GDC: tl.constexpr,  # a programmatic dependent of the pre-pass (or of its shares' sum)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
+    RECOMPUTE: tl.constexpr,  # one-block rows hold their loads across the row sums (_bwd_held_rows)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
     # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N). With EXCHANGE
@@ -1369,6 +1473,21 @@ def _fused_norm_bwd_kernel(
             HAS_B1, HAS_X1, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE,
             HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES, JOINT_ROW_SUMS,
         )  # fmt: skip
+    elif RECOMPUTE:
+        tl.static_assert(
+            NUM_CHUNKS == 1 and TAIL_N == 0 and not HAS_W1 and ROW_STAGES == 1,
+            "RECOMPUTE: one-block rows without a tail, x1's weight or a pipeline",
+        )
+        dw, db, dls = _bwd_held_rows(
+            S, W, MEAN, RSTD, DY, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
+            DRESIDUAL, row_start, row_end, col0, cols, col_mask, stride_s_row, stride_dy_row,
+            stride_dres_out_row, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
+            M, N, dropout_p, BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_X1, HAS_DRESIDUAL_OUT,
+            STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, ZERO_CENTERED_WEIGHT,
+            JOINT_ROW_SUMS,
+        )  # fmt: skip
+        dw1 = dw  # placeholders: no second weight
+        db1 = db
     else:
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)

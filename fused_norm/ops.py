@@ -548,6 +548,14 @@ def _row_sizes(s, dy, dy1, dresidual_out, x0) -> list:
     return [t.element_size() for t in (s, dy, dy1, dresidual_out, x0) if t is not None]
 
 
+def _dtype_name(*tensors) -> str:
+    """The name of the tensors' dtype (they may be Stand-ins) where they share bf16 or fp16:
+    "bf16" / "fp16", else ""."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtypes = {t.dtype for t in tensors}
+    return names.get(dtypes.pop(), "") if len(dtypes) == 1 else ""
+
+
 def _bwd_plan(
     dev, s, dy, dy1, dresidual_out, x0, weight1, layerscale, rowscale, dx1, dresidual, c12,
     has_bias, has_b1, dropout_p, is_rms_norm, zero_centered_weight, block_n, num_chunks, tail,
@@ -573,6 +581,12 @@ def _bwd_plan(
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     if exchange:  # the row loop waits on other programs: not pipelined
         stages = 1
+    # (kernels._bwd_held_rows has no second weight)
+    row_kind = "ln" if plain_ln and has_bias and not zero_centered_weight else ""
+    held = weight1 is None and config.bwd_recompute(
+        block_n, num_chunks, tail, tile_rows, stages, exchange, warps, row_kind,
+        _dtype_name(s, dy), w4, s.shape[-1], dev,
+    )  # fmt: skip
     flags = dict(
         BLOCK_N=block_n // 2 if tail else block_n,
         TAIL_N=tail,
@@ -601,6 +615,7 @@ def _bwd_plan(
         ),
         GDC=num_chunks > 1 and not exchange and config.bwd_pdl(dev),  # after the pre-pass
         ROW_STAGES=stages,
+        RECOMPUTE=held,
     )
     fp16 = dy.dtype == torch.float16
     maxnreg = config.bwd_maxnreg(

@@ -195,6 +195,69 @@ def test_gpu_folded_row_sums_match_reference(n, dtype, monkeypatch):
     assert 4 in answers, answers
 
 
+def _force_held_rows(monkeypatch):
+    """config.bwd_recompute answering yes for every backward row it may serve (one block, no
+    tail, tile, pipeline or exchange); returns the list of its answers."""
+    from fused_norm import config
+
+    answers = []
+
+    def held(block_n, num_chunks, tail, tile_rows, stages, exchange, *args):
+        answers.append(num_chunks == 1 and not tail and tile_rows == 1 and stages == 1
+                       and not exchange)  # fmt: skip
+        return answers[-1]
+
+    monkeypatch.setattr(config, "bwd_recompute", held)
+    return answers
+
+
+HELD_ROWS = [("ln", 512, BF16), ("ln", 512, FP16), ("ln", 1024, BF16), ("ln", 300, BF16),
+             ("rms", 1024, BF16), ("ln_w32", 512, BF16), ("add_rms_prenorm", 512, FP16),
+             ("add_rms_prenorm_fp32res", 1024, BF16), ("ln", 512, FP32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, n, dtype", HELD_ROWS, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in HELD_ROWS]
+)
+def test_gpu_held_backward_rows_match_reference(flags, n, dtype, monkeypatch):
+    """The backward of one-block rows holding each row's loads across its row sums
+    (kernels._bwd_held_rows, the inline PTX copy of kernels._held), forced where it may
+    serve, beyond the rows config.BWD_RECOMPUTE_ROWS gives it (LayerNorm at 1024 / 2048 with
+    Triton 3.9, bench/NOTES.md #118): 16-bit and fp32 rows and weights, a residual stream of either; matches
+    the fp64 reference."""
+    answers = _force_held_rows(monkeypatch)
+    check_case(_case(flags, n, dtype), "fn", device="cuda")
+    assert True in answers, answers
+
+
+@pytest.mark.parametrize("n, dtype", [(512, BF16), (1024, BF16), (2048, FP16)])
+def test_gpu_held_backward_rows_same_gradients(n, dtype, monkeypatch):
+    """LayerNorm's held backward rows (#118), forced on the device's Triton, give the same dx,
+    bit for bit, as the rows that hold their fp32 maths: the same operations on the same
+    values. dW and dB agree to rounding: their partials are summed over the programs that
+    fit, which the registers change."""
+    from fused_norm import config, layer_norm_fn
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(4099, n, device="cuda", dtype=dtype, generator=gen)
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    b = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    dy = torch.randn(4099, n, device="cuda", dtype=dtype, generator=gen)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        return torch.autograd.grad(layer_norm_fn(*leaves, eps=1e-5), leaves, dy)
+
+    monkeypatch.setattr(config, "bwd_recompute", lambda *args: False)  # (plans rebuilt)
+    plain = grads()
+    answers = _force_held_rows(monkeypatch)
+    held = grads()
+    assert True in answers, answers
+    assert torch.equal(held[0], plain[0])
+    for got, want in zip(held[1:], plain[1:]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "n, dtype", [(1024, FP32), (4096, BF16), (12288, BF16), (16384, BF16), (16384, FP32),
                  (65536, FP32), (65536, FP16), (131072, FP16), (262144, BF16)],

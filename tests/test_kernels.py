@@ -50,6 +50,7 @@ ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
 EXAMPLES_FN = 560
 EXAMPLES_TWO_BLOCKS = 120
 EXAMPLES_FOLDED = 20
+EXAMPLES_HELD_ROWS = 20
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
@@ -169,6 +170,31 @@ def test_folded_row_sums_match_reference(case, joint):
         bwd_joint_row_sums=lambda *args: joint,
     )
     with one_row_per_program(), folded:
+        check_case(case, "fn")
+
+
+def held_rows_everywhere() -> patched_config:
+    """config.bwd_recompute answering yes for every backward row it may (one block without a
+    tail, tile, pipeline or exchange), whatever the row, dtype and device: ops still leaves
+    out rows with a second weight (bench/NOTES.md #118)."""
+
+    def held(block_n, num_chunks, tail, tile_rows, stages, exchange, *args):
+        return num_chunks == 1 and not tail and tile_rows == 1 and stages == 1 and not exchange
+
+    return patched_config(bwd_recompute=held)
+
+
+@settings(max_examples=EXAMPLES_HELD_ROWS)
+@given(case=cases("fn"))
+def test_held_backward_rows_match_reference(case):
+    """The backward of one-block rows that holds each row's loaded s, dy and w across its row
+    sums and does the row's maths again after them (kernels._bwd_held_rows), forced for every
+    row it serves, one row at a time, with every flag (the x1 path's second weight keeps the
+    other kernel): outputs and all grads vs reference. On a GPU only the rows of
+    config.BWD_RECOMPUTE_ROWS hold; the interpreter has no inline PTX, so it checks the maths
+    around the hold."""
+    count_example("test_held_backward_rows_match_reference")
+    with one_row_per_program(), held_rows_everywhere():
         check_case(case, "fn")
 
 

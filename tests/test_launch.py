@@ -572,6 +572,43 @@ def test_backward_sum_repeats_only_where_measured():
         assert config.bwd_sum_repeats(*base) == 1
 
 
+def test_backward_recompute_only_where_measured():
+    """config.bwd_recompute (bench/NOTES.md #118): with Triton 3.9 on an NVIDIA GPU, LayerNorm
+    of x alone with a bias holds its backward rows' loads across the row sums in one
+    1024-column block on 2 warps in bf16, and in one 2048-column block on 4 warps in bf16 or
+    fp16 where the row fills it, with 16-bit weights, at widths of a multiple of 16 columns;
+    any other block, warps, chunks, tail, tile, pipeline, exchange, row kind, dtype, weights,
+    width or device, and Triton 3.6, do not."""
+    from fused_norm import config
+
+    gpu = torch.device("cuda", 0)
+    # (block_n, num_chunks, tail, tile_rows, stages, exchange, warps, row_kind, dtype, w4,
+    # n_cols, device)
+    held = [(1024, 1, 0, 1, 1, False, 2, "ln", "bf16", False, 784, gpu),
+            (1024, 1, 0, 1, 1, False, 2, "ln", "bf16", False, 1024, gpu),
+            (2048, 1, 0, 1, 1, False, 4, "ln", "bf16", False, 2048, gpu),
+            (2048, 1, 0, 1, 1, False, 4, "ln", "fp16", False, 2048, gpu)]  # fmt: skip
+    changes = ((0, 4096), (1, 2), (2, 256), (3, 2), (4, 2), (5, True), (6, 8), (7, ""),
+               (8, ""), (9, True), (10, 1000), (11, torch.device("cpu")))  # fmt: skip
+
+    def nvidia(device):
+        return device.type == "cuda"
+
+    with patched_config(TRITON_VERSION=(3, 9), _nvidia=nvidia):
+        for row in held:
+            assert config.bwd_recompute(*row), row
+            for i, value in changes:
+                args = row[:i] + (value,) + row[i + 1 :]
+                assert not config.bwd_recompute(*args), args
+        for args in ((1024, 1, 0, 1, 1, False, 2, "ln", "fp16", False, 1024, gpu),
+                     (2048, 1, 0, 1, 1, False, 4, "ln", "bf16", False, 1536, gpu),
+                     (512, 1, 0, 1, 1, False, 1, "ln", "bf16", False, 512, gpu)):  # fmt: skip
+            assert not config.bwd_recompute(*args), args
+    with patched_config(TRITON_VERSION=(3, 6), _nvidia=nvidia):
+        for row in held:
+            assert not config.bwd_recompute(*row), row
+
+
 def test_backward_layout_of_one_partial_rows_of_4k_to_8k_columns():
     """bench/NOTES.md #53: add + RMSNorm (one partial, not a norm of x alone) of 16-bit rows of
     4097-8192 columns takes the padded 8192 block on 16 warps (under the register cap of
@@ -664,19 +701,21 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     #113); the x1 path with dropout at 1536 / 2048 on 4 warps, without dropout on 2 (#114);
     LayerNorm of x alone at 1536 / 2048 capped at 96 with Triton 3.9, but with fp32 weights,
     a residual gradient or a bias on RMSNorm (#115); RMSNorm of x alone at 3072 / 4096 with
-    its row sum folded over four repeats with Triton 3.9 (#117)."""
+    its row sum folded over four repeats with Triton 3.9 (#117); LayerNorm of x alone holding
+    its rows' loads across the row sums at 1024 / 2048 with Triton 3.9 (#118)."""
     monkeypatch.setattr(config, "_nvidia", lambda device: True)
     monkeypatch.setattr(config, "_sm90", lambda index: True)
     monkeypatch.setattr(config, "_smem_ok", lambda index: False)
     monkeypatch.setattr(config, "INTERPRETED", False)
     monkeypatch.setattr(config, "sm_count", lambda device: 132)
-    launched, folds = [], []
+    launched, folds, held = [], [], []
 
     class Recorder:
         def __call__(self, grid, device, args, constexprs, num_warps, num_stages=None,
                      on_miss=None, maxnreg=None):  # fmt: skip
             launched.append((constexprs["BLOCK_N"], num_warps, maxnreg))
             folds.append(constexprs["SUM_REPEATS"])
+            held.append(constexprs["RECOMPUTE"])
 
         def warm(self, *args, **kwargs):
             pass
@@ -685,7 +724,7 @@ def test_backward_warps_reach_the_launch(monkeypatch):
     monkeypatch.setattr(ops, "_RED", lambda *args, **kwargs: None)
 
     def bwd(n, dtype, x1=False, dropout_p=0.0, ln=False, wdtype=None, rms_bias=False, res=False,
-            zcw=False):  # fmt: skip
+            zcw=False, nobias=False):  # fmt: skip
         m = 4
         dy, s = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
         w = torch.randn(n, dtype=wdtype or dtype)
@@ -699,7 +738,7 @@ def test_backward_warps_reach_the_launch(monkeypatch):
             kw.update(seeds=torch.zeros(2 * m, dtype=torch.int64), dropout_p=dropout_p)
         config.settings_changed()
         launched.clear()
-        bias = w if (x1 or ln or rms_bias) else None
+        bias = w if (x1 or ln or rms_bias) and not nobias else None
         w1 = w if x1 else None
         ops.fused_norm_bwd(dy, s, w, bias, w1, w1, **kw)
         return launched[0]
@@ -743,6 +782,23 @@ def test_backward_warps_reach_the_launch(monkeypatch):
                          (5120, torch.bfloat16)):  # fmt: skip
             bwd(n, dtype)
             assert folds[-1] == 1, (n, dtype)
+        # LayerNorm of x alone with a bias holds its rows' loads across the row sums with
+        # Triton 3.9 (#118): in bf16 at 513-1024 columns (multiples of 16), in bf16 and fp16 at
+        # 2048; not before 3.9
+        late = version >= (3, 9)
+        for n, dtype, expect in ((1024, torch.bfloat16, late), (784, torch.bfloat16, late),
+                                 (1000, torch.bfloat16, False), (1024, torch.float16, False),
+                                 (2048, torch.bfloat16, late), (2048, torch.float16, late),
+                                 (1536, torch.bfloat16, False), (512, torch.bfloat16, False),
+                                 (1024, torch.float32, False)):  # fmt: skip
+            bwd(n, dtype, ln=True)
+            assert held[-1] == expect, (version, n, dtype)
+        for kw in (dict(), dict(rms_bias=True), dict(ln=True, wdtype=torch.float32),
+                   dict(ln=True, res=True), dict(ln=True, zcw=True), dict(ln=True, nobias=True),
+                   dict(x1=True)):  # fmt: skip
+            for n in (1024, 2048):
+                bwd(n, torch.bfloat16, **kw)
+                assert not held[-1], (version, n, kw)
     config.settings_changed()
 
 
