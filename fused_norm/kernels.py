@@ -1340,9 +1340,9 @@ def _bwd_held_rows(
     """The backward of a program's one-block rows (no tail, no second weight) that holds each
     row's loaded s, dy and w, not their fp32 xhat and w*dy, across its row sums: the maths
     is done again from the held values after them (``_held``), with the same operations, so
-    the results are the same bits. Across the sums' exchanges a thread then keeps half the
-    registers of the row (16-bit rows), beside the partial gradients (kernels' RECOMPUTE,
-    config.bwd_recompute). Returns the partial gradients (dw, db, dls)."""
+    the results are the same bits. Across the sums' shuffles and barrier a thread then keeps
+    half the registers of the row (16-bit rows), beside the partial gradients (kernels'
+    RECOMPUTE, config.bwd_recompute). Returns the partial gradients (dw, db, dls)."""
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -1452,6 +1452,12 @@ def _fused_norm_bwd_kernel(
     # block, consecutive ids that GPUs start in id order, so with all of them resident at once
     # (the grid holds what fits: ops) or not, some row block always runs whole; under the
     # CPU interpreter, one program after another, the wait is bounded (BOUNDED_WAIT).
+    tl.static_assert(
+        not RECOMPUTE
+        or (NUM_CHUNKS == 1 and TAIL_N == 0 and TILE_ROWS == 1 and ROW_STAGES == 1
+            and SUM_REPEATS == 1 and not (EXCHANGE or HAS_W1)),
+        "RECOMPUTE: one-block rows without a tail, tile, pipeline, fold, exchange or x1's weight",
+    )  # fmt: skip
     if GDC:  # C12 comes from the kernel before (the pre-pass or its shares' sum): wait for it
         gdc_wait()
     if EXCHANGE:
@@ -1474,10 +1480,6 @@ def _fused_norm_bwd_kernel(
             HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES, JOINT_ROW_SUMS,
         )  # fmt: skip
     elif RECOMPUTE:
-        tl.static_assert(
-            NUM_CHUNKS == 1 and TAIL_N == 0 and not HAS_W1 and ROW_STAGES == 1,
-            "RECOMPUTE: one-block rows without a tail, x1's weight or a pipeline",
-        )
         dw, db, dls = _bwd_held_rows(
             S, W, MEAN, RSTD, DY, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
             DRESIDUAL, row_start, row_end, col0, cols, col_mask, stride_s_row, stride_dy_row,
