@@ -1768,9 +1768,9 @@ def bwd_sum_repeats(block_n: int, num_chunks: int, tail: int, tile_rows: int, wa
 
 
 # One-block backward rows that hold their loaded 16-bit s, dy and w across the row sums, and do
-# the row's maths again from them after the sums (kernels._bwd_held_rows, constexpr RECOMPUTE),
-# instead of holding its fp32 xhat and w*dy there beside the partial gradients: LayerNorm of x
-# alone, compiled by Triton BWD_RECOMPUTE_FROM or later. Offline (sm_90, triton 3.9) its
+# the row's maths again from them after the sums (kernels._held_row_grads, _held_again;
+# constexpr RECOMPUTE), instead of holding its fp32 xhat and w*dy there beside the partial
+# gradients: LayerNorm of x alone, compiled by Triton BWD_RECOMPUTE_FROM or later. Offline (sm_90, triton 3.9) its
 # 1024-column block on 2 warps took 115 -> 96 registers (8 -> 10 programs per SM, as 3.6's 96
 # unheld), its 2048 block on 4 warps, under #115's cap of 96, no spill (16 bytes unheld).
 # Bench-style A/B of 3.9's cubins (H200, 2026-11-26, bench/NOTES.md #118), backward, unheld

@@ -1312,7 +1312,7 @@ def _held(h, after):
     """The loaded values ``h`` (16- or 32-bit, as stored) again, through an opaque copy that
     waits for the scalar ``after``: the compiler can neither merge their conversion to fp32
     with an earlier one nor move it before ``after`` is known, so what stays live until then
-    is h itself (_bwd_held_rows). Inline PTX on a GPU; the interpreter returns h."""
+    is h itself (_held_again). Inline PTX on a GPU; the interpreter returns h."""
     if not GPU_BUILD:
         return h
     dep = after.to(tl.uint32, bitcast=True) + tl.zeros(h.shape, dtype=tl.uint32)
@@ -1328,58 +1328,37 @@ def _held(h, after):
 
 
 @triton.jit
-def _bwd_held_rows(
-    S, W, MEAN, RSTD, DY, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL,
-    row_start, row_end, col0, cols, col_mask, stride_s_row, stride_dy_row, stride_dres_out_row,
-    stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row, M, N, dropout_p,
-    BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_X1: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
-    HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, JOINT_ROW_SUMS: tl.constexpr,
+def _held_row_grads(
+    S, DY, W, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+    IS_RMS_NORM: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    """The backward of a program's one-block rows (no tail, no second weight) that holds each
-    row's loaded s, dy and w, not their fp32 xhat and w*dy, across its row sums: the maths
-    is done again from the held values after them (``_held``), with the same operations, so
-    the results are the same bits. Across the sums' shuffles and barrier a thread then keeps
-    half the registers of the row (16-bit rows), beside the partial gradients (kernels'
-    RECOMPUTE, config.bwd_recompute). Returns the partial gradients (dw, db, dls)."""
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dls = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for row in tl.range(row_start, row_end):
-        s_h = tl.load(S + row * stride_s_row + cols, mask=col_mask, other=0.0)
-        dy_h = tl.load(DY + row * stride_dy_row + cols, mask=col_mask, other=0.0)
-        w_h = tl.load(W + cols, mask=col_mask, other=0.0)
-        rstd = tl.load(RSTD + row)
-        mean = 0.0
-        if not IS_RMS_NORM:
-            mean = tl.load(MEAN + row)
-        xhat = _xhat(s_h.to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
-        wdy = _weight(w_h, col_mask, ZERO_CENTERED_WEIGHT) * dy_h.to(tl.float32)
-        c2 = 0.0
-        if IS_RMS_NORM or not JOINT_ROW_SUMS:
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            if not IS_RMS_NORM:
-                c2 = tl.sum(wdy, axis=0) / N
-        else:
-            c1, c2 = _pair_sums(xhat * wdy, wdy, 0)
-            c1 = c1 / N
-            c2 = c2 / N
-        xhat = _xhat(_held(s_h, c1).to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
-        dy = _held(dy_h, c1).to(tl.float32)
-        wdy = _weight(_held(w_h, c1), col_mask, ZERO_CENTERED_WEIGHT) * dy
-        dw += dy * xhat
-        if HAS_BIAS:
-            db += dy
-        dls_row = _block_input_grads(
-            xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,
-            LAYERSCALE, ROWSCALE, SEEDS, DX, DX1, DRESIDUAL, stride_dres_out_row, stride_x0_row,
-            stride_dx_row, stride_dx1_row, stride_dres_row, dropout_p, BLOCK_N, IS_RMS_NORM,
-            HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, 0,
-        )  # fmt: skip
-        if HAS_LAYERSCALE:
-            dls += dls_row
-    return dw, db, dls
+    """_row_grads of a row that holds its loads across its row sums (RECOMPUTE): also the
+    loaded s, dy and w (as stored) and the row's mean (0 for RMSNorm), from which
+    _held_again does the maths again after the sums."""
+    s_h = tl.load(S + row * stride_s_row + cols, mask=col_mask, other=0.0)
+    dy_h = tl.load(DY + row * stride_dy_row + cols, mask=col_mask, other=0.0)
+    w_h = tl.load(W + cols, mask=col_mask, other=0.0)
+    rstd = tl.load(RSTD + row)
+    mean = 0.0
+    if not IS_RMS_NORM:
+        mean = tl.load(MEAN + row)
+    xhat = _xhat(s_h.to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
+    dy = dy_h.to(tl.float32)
+    wdy = _weight(w_h, col_mask, ZERO_CENTERED_WEIGHT) * dy
+    return s_h, dy_h, w_h, mean, rstd, xhat, dy, wdy
+
+
+@triton.jit
+def _held_again(s_h, dy_h, w_h, mean, rstd, c1, col_mask, IS_RMS_NORM: tl.constexpr,
+                ZERO_CENTERED_WEIGHT: tl.constexpr):  # fmt: skip
+    """xhat, dy and w*dy of a held row again from its loads, after its row sum ``c1`` is
+    known (``_held``): the same operations as _held_row_grads, so the same bits; until then a
+    thread holds the 16-bit loads, half the registers of their fp32 maths (bench/NOTES.md
+    #118)."""
+    xhat = _xhat(_held(s_h, c1).to(tl.float32), mean, rstd, col_mask, IS_RMS_NORM)
+    dy = _held(dy_h, c1).to(tl.float32)
+    wdy = _weight(_held(w_h, c1), col_mask, ZERO_CENTERED_WEIGHT) * dy
+    return xhat, dy, wdy
 
 
 # M and the two integers that follow from the program count are not specialised on, so that one
@@ -1438,7 +1417,7 @@ def _fused_norm_bwd_kernel(
     SUM_REPEATS: tl.constexpr,  # one-block rows' separate sums folded first (_fold_repeats)
     GDC: tl.constexpr,  # a programmatic dependent of the pre-pass (or of its shares' sum)
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
-    RECOMPUTE: tl.constexpr,  # one-block rows hold their loads across the row sums (_bwd_held_rows)
+    RECOMPUTE: tl.constexpr,  # one-block rows hold their loads across the row sums (_held_again)
 ):  # fmt: skip
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
     # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N). With EXCHANGE
@@ -1479,17 +1458,6 @@ def _fused_norm_bwd_kernel(
             HAS_B1, HAS_X1, HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE,
             HAS_DROPOUT, ZERO_CENTERED_WEIGHT, ROW_STAGES, JOINT_ROW_SUMS,
         )  # fmt: skip
-    elif RECOMPUTE:
-        dw, db, dls = _bwd_held_rows(
-            S, W, MEAN, RSTD, DY, DRESIDUAL_OUT, X0, LAYERSCALE, ROWSCALE, SEEDS, DX, DX1,
-            DRESIDUAL, row_start, row_end, col0, cols, col_mask, stride_s_row, stride_dy_row,
-            stride_dres_out_row, stride_x0_row, stride_dx_row, stride_dx1_row, stride_dres_row,
-            M, N, dropout_p, BLOCK_N, IS_RMS_NORM, HAS_BIAS, HAS_X1, HAS_DRESIDUAL_OUT,
-            STORE_DRESIDUAL, HAS_ROWSCALE, HAS_LAYERSCALE, HAS_DROPOUT, ZERO_CENTERED_WEIGHT,
-            JOINT_ROW_SUMS,
-        )  # fmt: skip
-        dw1 = dw  # placeholders: no second weight
-        db1 = db
     else:
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -1519,13 +1487,20 @@ def _fused_norm_bwd_kernel(
                     IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT, JOINT_ROW_SUMS,
                 )  # fmt: skip
                 _reset_word(WS_NEXT, row + 1, col0, BLOCK_N, NUM_CHUNKS)
-            xhat, dy, dy1, wdy = _row_grads(
-                S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
-                stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
-            )  # fmt: skip
-            dw, db, dw1, db1 = _param_grads(
-                dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1
-            )
+            if RECOMPUTE:  # the row's loads held across its sums (_held_again)
+                s_h, dy_h, w_h, mean, rstd, xhat, dy, wdy = _held_row_grads(
+                    S, DY, W, MEAN, RSTD, row, cols, col_mask, stride_s_row, stride_dy_row,
+                    IS_RMS_NORM, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                dy1 = dy
+            else:
+                xhat, dy, dy1, wdy = _row_grads(
+                    S, DY, DY1, W, W1, MEAN, RSTD, row, cols, col_mask, col_mask, stride_s_row,
+                    stride_dy_row, stride_dy1_row, IS_RMS_NORM, HAS_W1, ZERO_CENTERED_WEIGHT,
+                )  # fmt: skip
+                dw, db, dw1, db1 = _param_grads(
+                    dw, db, dw1, db1, xhat, dy, dy1, HAS_BIAS, HAS_W1, HAS_B1
+                )
             if TAIL_N > 0:
                 txhat, tdy, tdy1, twdy = _row_grads(
                     S, DY, DY1, W, W1, MEAN, RSTD, row, tcols, tmask, tmask, stride_s_row,
@@ -1564,6 +1539,12 @@ def _fused_norm_bwd_kernel(
                     c2 += tc2
                 c1 = c1 / N
                 c2 = c2 / N
+            if RECOMPUTE:
+                xhat, dy, wdy = _held_again(s_h, dy_h, w_h, mean, rstd, c1, col_mask,
+                                            IS_RMS_NORM, ZERO_CENTERED_WEIGHT)  # fmt: skip
+                dw, db, dw1, db1 = _param_grads(
+                    dw, db, dw1, db1, xhat, dy, dy, HAS_BIAS, False, False
+                )
             rstd = tl.load(RSTD + row)
             dls_row = _block_input_grads(
                 xhat, wdy, c1, c2, rstd, row, col0, cols, col_mask, M, N, DRESIDUAL_OUT, X0,

@@ -581,7 +581,7 @@ def _bwd_plan(
     stages = _STAGES_THAT_FIT.get(key) or config.bwd_row_stages(*key[1:])
     if exchange:  # the row loop waits on other programs: not pipelined
         stages = 1
-    # (kernels._bwd_held_rows has no second weight)
+    # (kernels._held_row_grads has no second weight)
     row_kind = "ln" if plain_ln and has_bias and not zero_centered_weight else ""
     held = weight1 is None and config.bwd_recompute(
         block_n, num_chunks, tail, tile_rows, stages, exchange, warps, row_kind,

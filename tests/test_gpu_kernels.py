@@ -221,7 +221,7 @@ HELD_ROWS = [("ln", 512, BF16), ("ln", 512, FP16), ("ln", 1024, BF16), ("ln", 30
 )
 def test_gpu_held_backward_rows_match_reference(flags, n, dtype, monkeypatch):
     """The backward of one-block rows holding each row's loads across its row sums
-    (kernels._bwd_held_rows, the inline PTX copy of kernels._held), forced where it may
+    (kernels._held_row_grads, _held_again: the inline PTX copy of _held), forced where it may
     serve, beyond the rows config.BWD_RECOMPUTE_ROWS gives it (LayerNorm at 1024 / 2048 with
     Triton 3.9, bench/NOTES.md #118): 16-bit and fp32 rows and weights, a residual stream of either; matches
     the fp64 reference."""

@@ -188,7 +188,7 @@ def held_rows_everywhere() -> patched_config:
 @given(case=cases("fn"))
 def test_held_backward_rows_match_reference(case):
     """The backward of one-block rows that holds each row's loaded s, dy and w across its row
-    sums and does the row's maths again after them (kernels._bwd_held_rows), forced for every
+    sums and does the row's maths again after them (kernels._held_again), forced for every
     row it serves, one row at a time, with every flag (the x1 path's second weight keeps the
     other kernel): outputs and all grads vs reference. On a GPU only the rows of
     config.BWD_RECOMPUTE_ROWS hold; the interpreter has no inline PTX, so it checks the maths
