@@ -7,6 +7,8 @@ TORCH ?= torch==2.13.0
 SYSTEM_SITE ?= 0
 VPY := $(VENV)/bin/python
 OUT ?= runs/demo
+# pytest-xdist processes for `make test` (the interpreted kernels are CPU-bound; 0: one process).
+TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(8, os.cpu_count() or 1))")
 
 .PHONY: setup test demo bench bench-smoke gpu-test lint clean
 
@@ -21,7 +23,7 @@ setup: $(VENV)/.installed
 
 # CPU: the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 test: setup
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # The main job: a short GPT training on the Python standard library's sources.
 demo: setup

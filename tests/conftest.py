@@ -38,17 +38,56 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _cuda_memory(request):
+    """On a GPU: each test's peak allocation goes into the junit report (`cuda_peak_gib`), and
+    under pytest-xdist, whose workers share the card (scripts/gpu_test.sh), the blocks torch's
+    allocator cached for a test are released after it: kept, they made the workers' idle caches
+    add up until a test ran out of memory (8 workers on an 80 GB H100 held 79 GiB, 2026-11-28)."""
+    if HAS_CUDA and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if HAS_CUDA and torch.cuda.is_initialized():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        request.node.user_properties.append(("cuda_peak_gib", round(peak, 2)))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     return DEVICE
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Print how many hypothesis examples each property test ran (counted by the tests)."""
+def _example_counts() -> dict:
+    """This process's hypothesis example counts (tests/_helpers.py counts them)."""
     import sys
 
-    helpers = sys.modules.get("_helpers")
-    counts = getattr(helpers, "EXAMPLE_COUNTS", None)
+    return dict(getattr(sys.modules.get("_helpers"), "EXAMPLE_COUNTS", None) or {})
+
+
+# Under pytest-xdist (`make test`) the tests run in worker processes: each hands its counts to
+# the controller when it finishes, which prints their sum.
+_WORKER_COUNTS: dict = {}
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set on xdist workers only
+    if workeroutput is not None:
+        workeroutput["example_counts"] = _example_counts()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for name, n in getattr(node, "workeroutput", {}).get("example_counts", {}).items():
+        _WORKER_COUNTS[name] = _WORKER_COUNTS.get(name, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how many hypothesis examples each property test ran (counted by the tests)."""
+    counts = _example_counts()
+    for name, n in _WORKER_COUNTS.items():
+        counts[name] = counts.get(name, 0) + n
     if not counts:
         return
     terminalreporter.section("hypothesis examples run")

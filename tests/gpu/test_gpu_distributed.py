@@ -11,7 +11,8 @@ import pytest
 import torch
 from _common import REPO_ROOT, describe, free_port, requires_2gpus, worker_cmd, worker_env
 
-pytestmark = requires_2gpus
+# One worker under pytest-xdist: the module's fixture starts one two-process run for both modes.
+pytestmark = [*requires_2gpus, pytest.mark.xdist_group("distributed")]
 
 
 @pytest.fixture(scope="module")

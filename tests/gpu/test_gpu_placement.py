@@ -13,7 +13,8 @@ from _common import N_GPUS, describe, requires_gpu, worker_cmd, worker_env
 
 from fused_norm import LayerNorm, layer_norm_fn, rms_norm_fn
 
-pytestmark = requires_gpu
+# One worker under pytest-xdist: the module's fixture starts one worker process for all tests.
+pytestmark = [*requires_gpu, pytest.mark.xdist_group("placement")]
 
 M, N = 32, 256
 
