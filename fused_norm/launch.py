@@ -326,6 +326,7 @@ class Launcher:
         self.loose = tuple(p.do_not_specialize for p in params or () if not p.is_constexpr)
         self.cache: dict = {}
         self.pending: dict = {}  # key -> future of a compile started by warm()
+        self.warm_error = None  # the last warm-up compile's failure (a str), kept for diagnosis
         _LAUNCHERS.add(self)
 
     def __call__(
@@ -434,8 +435,8 @@ class Launcher:
                     compiled = self._warmup(grid, args, fallback, options)
                 if build is None or not build.result():  # (its prebuild did not build it)
                     _build_launcher(compiled)
-        except Exception:  # noqa: BLE001 - the launch itself compiles again and reports it
-            pass
+        except Exception as e:  # noqa: BLE001 - the launch itself compiles again and reports it
+            self.warm_error = f"{getattr(self.kernel, '__name__', '?')}: {e!r}"
 
     def _prebuild(self, device, args, constexprs, options):
         """Start building, beside the compile, the C launcher of the kernel these arguments

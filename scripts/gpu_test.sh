@@ -6,9 +6,9 @@
 #
 # The suite is bound by compiles on the host (Triton's and Inductor's), not by the GPU: run one
 # process at a time it took 416-487 s on an H200 (2026-11-26), so where pytest-xdist is
-# importable the tests run in GPU_TEST_WORKERS processes sharing the GPU(s). The huge-tensor
-# test (about 48 GB of one card) runs alone afterwards, so that no other worker holds memory
-# it needs.
+# importable the tests run in GPU_TEST_WORKERS processes sharing the GPU(s). The tests marked
+# `solo` run afterwards in one process alone: the huge-tensor test (about 48 GB of one card)
+# and those that watch a process's first compiles (tests/test_launch.py says why).
 #
 # RESULTS_DIR receives junit-*.xml, pytest-*.log, bench.log, bench/ (the benchmark's CSV/plots)
 # and summary.txt. The whole run is budgeted to fit one 10-minute device call:
@@ -33,7 +33,6 @@ BENCH_ARGS="${GPU_TEST_BENCH_ARGS:---Ns 4096,65536 --budget-s 45 --first-call dr
 cpus=$(nproc 2>/dev/null || echo 2)
 default_workers=$(( cpus / 2 < 8 ? cpus / 2 : 8 ))
 WORKERS="${GPU_TEST_WORKERS:-$default_workers}"
-HUGE=tests/gpu/test_gpu_huge.py
 # NVLink multicast is unavailable on the GPU machines; NCCL and torch must not try it.
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
@@ -66,10 +65,11 @@ run_phase() {  # name, seconds, pytest arguments...
     # 5: nothing selected (e.g. the huge test's file missing) is not a failure of the suite.
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && [ "$test_rc" -eq 0 ]; then test_rc=$rc; fi
 }
-run_phase main "$TEST_TIMEOUT" -m "gpu or multigpu" --ignore="$HUGE" ${parallel[@]+"${parallel[@]}"} tests
+run_phase main "$TEST_TIMEOUT" -m "(gpu or multigpu) and not solo" \
+    ${parallel[@]+"${parallel[@]}"} tests
 left=$(( TEST_TIMEOUT - ($(date +%s) - start) ))
 [ "$left" -lt 60 ] && left=60
-run_phase huge "$left" -m gpu "$HUGE"
+run_phase solo "$left" -m "(gpu or multigpu) and solo" tests
 
 bench_status="not run"
 bench_rc=0

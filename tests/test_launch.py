@@ -143,6 +143,7 @@ def test_backward_compiles_during_first_forward(monkeypatch):
     for lau in ops.launchers():
         monkeypatch.setattr(lau, "cache", {})
         monkeypatch.setattr(lau, "pending", {})
+        monkeypatch.setattr(lau, "warm_error", None)
     torch.manual_seed(1)
     y, r = fused_norm.rms_norm_fn(x, w, None, residual=res, prenorm=True, dropout_p=0.2,
                                   zero_centered_weight=True)  # fmt: skip
@@ -211,7 +212,12 @@ _FIRST_BACKWARDS = [
 ]
 
 
+# solo (scripts/gpu_test.sh): a first call's compiles in a process, which seven other workers
+# compiling beside it on the card failed once in four parallel runs (the smem kernel at 12288
+# compiled again by the backward) and which passed alone, 2026-11-28. Launcher.warm_error
+# now keeps a warm-up's failure, and the assertion prints it.
 @pytest.mark.gpu
+@pytest.mark.solo
 @pytest.mark.parametrize("call,xd,wd,n", _FIRST_BACKWARDS)
 def test_first_backward_compiles_nothing_the_warm_up_did_not(monkeypatch, call, xd, wd, n):
     """In a process that has compiled nothing, the first forward's warm-up compiles every
@@ -234,7 +240,8 @@ def test_first_backward_compiles_nothing_the_warm_up_did_not(monkeypatch, call, 
             future.result()
     compiled.clear()
     grads = torch.autograd.grad(outs, leaves, [torch.randn_like(o) for o in outs])
-    assert compiled == [], f"the backward compiled {compiled}"
+    errors = [lau.warm_error for lau in ops.launchers() if lau.warm_error]
+    assert compiled == [], f"the backward compiled {compiled}; warm-up failures: {errors}"
     assert all(torch.isfinite(g).all() for g in grads)
 
 

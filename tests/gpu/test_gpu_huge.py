@@ -22,7 +22,8 @@ from _common import TOL, assert_bitwise, assert_close, requires_gpu
 
 from fused_norm import layer_norm_fn, layer_norm_ref
 
-pytestmark = requires_gpu
+# solo: about 48 GB of one card, so scripts/gpu_test.sh runs it with no other worker beside.
+pytestmark = [*requires_gpu, pytest.mark.solo]
 
 M, N = 353_000, 6144
 P, EPS = 0.5, 1e-5
