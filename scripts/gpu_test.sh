@@ -62,7 +62,7 @@ run_phase() {  # name, seconds, pytest arguments...
     timeout --kill-after=20 "$seconds" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
         --durations=25 --junitxml="$OUT/junit-$name.xml" "$@" 2>&1 | tee "$OUT/pytest-$name.log"
     local rc=${PIPESTATUS[0]}
-    # 5: nothing selected (e.g. the huge test's file missing) is not a failure of the suite.
+    # 5: nothing selected (e.g. no test marked solo) is not a failure of the suite.
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && [ "$test_rc" -eq 0 ]; then test_rc=$rc; fi
 }
 run_phase main "$TEST_TIMEOUT" -m "(gpu or multigpu) and not solo" \

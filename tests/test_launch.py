@@ -143,7 +143,6 @@ def test_backward_compiles_during_first_forward(monkeypatch):
     for lau in ops.launchers():
         monkeypatch.setattr(lau, "cache", {})
         monkeypatch.setattr(lau, "pending", {})
-        monkeypatch.setattr(lau, "warm_error", None)
     torch.manual_seed(1)
     y, r = fused_norm.rms_norm_fn(x, w, None, residual=res, prenorm=True, dropout_p=0.2,
                                   zero_centered_weight=True)  # fmt: skip
@@ -170,6 +169,7 @@ def _compiled_nothing(monkeypatch):
     for lau in ops.launchers():
         monkeypatch.setattr(lau, "cache", {})
         monkeypatch.setattr(lau, "pending", {})
+        monkeypatch.setattr(lau, "warm_error", None)
         if hasattr(lau.kernel, "device_caches"):  # Triton's in-memory kernel cache
             monkeypatch.setattr(lau.kernel, "device_caches", defaultdict(lau.kernel.create_binder))
     for name in ("_FWD_PLANS", "_BWD_PLANS", "_RESIDENT", "_STAGES_THAT_FIT", "_OP_KPLANS"):
@@ -212,10 +212,10 @@ _FIRST_BACKWARDS = [
 ]
 
 
-# solo (scripts/gpu_test.sh): a first call's compiles in a process, which seven other workers
-# compiling beside it on the card failed once in four parallel runs (the smem kernel at 12288
-# compiled again by the backward) and which passed alone, 2026-11-28. Launcher.warm_error
-# now keeps a warm-up's failure, and the assertion prints it.
+# solo (scripts/gpu_test.sh): it watches a process's first compiles. Beside seven other workers
+# compiling on the same card it failed once in four parallel runs (the backward compiled the
+# smem kernel at 12288 again) and it passed alone, 2026-11-28. Launcher.warm_error now keeps
+# a warm-up's failure, and the assertion prints it.
 @pytest.mark.gpu
 @pytest.mark.solo
 @pytest.mark.parametrize("call,xd,wd,n", _FIRST_BACKWARDS)
