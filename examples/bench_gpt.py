@@ -92,6 +92,12 @@ def markdown(rows, env, args, date) -> str:
         c["precision"] for cells in rows.values() for c in cells.values() if "precision" in c
     }
     precision = ", ".join(sorted(precisions)) or "-"
+    # which of fused_norm's backends the fused cells ran (train_gpt.py's summary.json "backend")
+    backends = {
+        c["backend"] for cells in rows.values() for n, c in cells.items()
+        if n == "fused" and c.get("backend")
+    }  # fmt: skip
+    backend = ", ".join(sorted(backends)) or "-"
     lines = [
         "### Example GPT training throughput: `--norm fused` vs `--norm torch`",
         "",
@@ -101,7 +107,8 @@ def markdown(rows, env, args, date) -> str:
         "",
         f"tokens/s over steps {args.timing_warmup + 1}-{args.steps} of one run per cell "
         f"(compilation excluded), precision {precision}, AdamW, dropout {args.dropout}. "
-        "`torch` = nn.Dropout + add + nn.RMSNorm; `fused` = fused_norm.DropoutAddRMSNorm; "
+        "`torch` = nn.Dropout + add + nn.RMSNorm; "
+        f"`fused` = fused_norm.DropoutAddRMSNorm (backend: {backend}); "
         "compile = torch.compile of each block.",
         "",
         "| preset | params | tokens/step | compile | torch tok/s | fused tok/s | fused / torch "
@@ -141,7 +148,7 @@ def markdown(rows, env, args, date) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("output", help="markdown file to write (the CSV goes next to it)")
-    p.add_argument("--presets", nargs="+", default=["small", "medium"])
+    p.add_argument("--presets", nargs="+", default=["small", "medium", "llm"])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--timing-warmup", type=int, default=10)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -164,12 +171,14 @@ def main(argv=None):
                 cell = run_cell(preset, norm, compile_, args, workdir)
                 cells[norm] = cell
                 rate = cell.get("error") or f"{fmt_rate(cell)} tok/s"
+                ran = f", backend {cell['backend']}" if cell.get("backend") else ""
                 print(f"{preset:7s} compile={compile_!s:5s} {norm:5s} {rate} "
-                      f"({cell.get('wall_s', 0):.0f} s)", flush=True)  # fmt: skip
+                      f"({cell.get('wall_s', 0):.0f} s{ran})", flush=True)  # fmt: skip
                 records.append({
                     "preset": preset, "compile": compile_, "norm": norm,
-                    **{k: cell.get(k) for k in ("tokens_per_s", "peak_mem_gib", "params",
-                                                "tokens_per_step", "final_loss", "error")},
+                    **{k: cell.get(k) for k in ("backend", "tokens_per_s", "peak_mem_gib",
+                                                "params", "tokens_per_step", "final_loss",
+                                                "error")},
                     **env, "date": date,
                 })  # fmt: skip
             # Rewrite after every pair so an interrupted sweep still leaves its results.

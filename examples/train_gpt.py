@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
 # Model shape and training defaults per preset. tiny is sized for a 2-core CPU (about 0.1 s a
-# step); small is nanoGPT's character-level Shakespeare model; medium is GPT-2 small's shape.
+# step); small is nanoGPT's character-level Shakespeare model; medium is GPT-2 small's shape;
+# llm has the hidden size and tokens per step of a current LLM's training, with few layers.
 # tiny's lr: at 2e-3 some seeds spike in loss just after warm-up, which turns rounding-level
 # differences into 1e-3-level ones (see tests/test_train_gpt.py); at 1e-3 training is smooth.
 # fmt: off
@@ -55,6 +56,9 @@ PRESETS = {
                   lr=1e-3, steps=2000, eval_every=250, eval_iters=20, ckpt_every=500),
     "medium": dict(model=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch_size=16,
                    lr=6e-4, steps=5000, eval_every=500, eval_iters=20, ckpt_every=1000),
+    # A block shaped like a current LLM's (hidden 2048, a few layers, 8K tokens per step).
+    "llm": dict(model=dict(n_layer=4, n_head=16, n_embd=2048, block_size=2048), batch_size=4,
+                lr=3e-4, steps=500, eval_every=100, eval_iters=4, ckpt_every=250),
 }
 # fmt: on
 VAL_FRACTION = 0.1
@@ -425,9 +429,11 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
         model = DDP(raw_model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
 
     tokens_per_step = rc.batch_size * rc.model.block_size
+    backend, backend_text = norm_backend(rc.model.norm, env.device)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        print(f"{rc.preset} GPT {raw_model.num_params() / 1e6:.2f}M params, norm={rc.model.norm}, "
+        print(f"{rc.preset} GPT {raw_model.num_params() / 1e6:.2f}M params, "
+              f"norm={rc.model.norm} ({backend_text}), "
               f"{env.device} x{env.world}, {precision}, compile={args.compile}, "
               f"{len(train_data):,} train bytes, steps {start}->{rc.steps}",
               flush=True)  # fmt: skip
@@ -495,7 +501,7 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
     log.flush()
     log.bar.close()
 
-    summary = make_summary(args, rc, env, raw_model, history, watch, precision)
+    summary = make_summary(args, rc, env, raw_model, history, watch, precision, backend)
     summary["interrupted"] = interrupted
     if interrupted:
         if env.is_main:
@@ -514,10 +520,10 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
 # Results
 
 
-def make_summary(args, rc, env, model, history, watch, precision) -> dict:
+def make_summary(args, rc, env, model, history, watch, precision, backend=None) -> dict:
     train = history["train"]
     summary = {
-        "preset": rc.preset, "norm": rc.model.norm, "compile": args.compile,
+        "preset": rc.preset, "norm": rc.model.norm, "backend": backend, "compile": args.compile,
         "device": describe_device(env.device), "world_size": env.world, "precision": precision,
         "steps": len(train), "params": model.num_params(),
         "tokens_per_step": rc.batch_size * rc.model.block_size, "dropout": rc.model.dropout,
@@ -533,12 +539,40 @@ def make_summary(args, rc, env, model, history, watch, precision) -> dict:
         summary["cuda"] = torch.version.cuda
         summary["peak_mem_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30
     if rc.model.norm == "fused":
-        import triton
+        try:
+            import triton
 
-        summary["triton"] = triton.__version__
+            summary["triton"] = triton.__version__
+        except ImportError:  # no Triton wheel for this platform: the norm runs its torch path
+            summary["triton"] = None
     if env.distributed:
         summary["replicas_in_sync"] = replicas_in_sync(model)
     return summary
+
+
+def norm_backend(norm: str, device: torch.device) -> tuple:
+    """Which implementation computes the norm on ``device``: ``(value for summary.json, text for
+    the banner)``. ``None`` for ``--norm torch``; otherwise "triton" (the kernels on a GPU),
+    "triton-interpreter" (the kernels in Triton's CPU interpreter) or "torch" (the package's
+    pure-PyTorch path), by the package's public rule: ``FUSED_NORM_BACKEND`` (auto | triton |
+    torch), then the device, then ``TRITON_INTERPRET`` (README, "Backends"). With "triton" where
+    the kernels cannot run, the first forward raises and says so."""
+    if norm != "fused":
+        return None, "torch.nn modules, no fused_norm"
+    choice = (os.environ.get("FUSED_NORM_BACKEND") or "auto").strip().lower()
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    kernels = choice == "triton" or (choice == "auto" and (device.type == "cuda" or interpreted))
+    where = "CPU" if device.type == "cpu" else str(device)
+    if device.type == "cuda" and device.index is None:
+        where = f"cuda:{torch.cuda.current_device()}"
+    if not kernels:
+        why = f"FUSED_NORM_BACKEND={choice}" if choice == "torch" else "no Triton kernels"
+        return "torch", f"backend: torch, {where}: {why}"
+    if device.type == "cpu":
+        if not interpreted:
+            return "triton", "backend: triton, CPU: needs TRITON_INTERPRET=1"
+        return "triton-interpreter", "backend: triton, CPU: Triton interpreter"
+    return "triton", f"backend: triton, {where}"
 
 
 def describe_device(device) -> str:

@@ -20,15 +20,32 @@ settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+# Why tests marked `gpu` / `multigpu` are left out on this machine (None: they run). They are
+# deselected, not skipped: a CPU run would otherwise open with hundreds of `s`.
+_GPU_WHY = None if HAS_CUDA else "no CUDA device (run `make gpu-test` on a GPU machine)"
+_MULTI_WHY = None if N_GPUS >= 2 else f"only {N_GPUS} CUDA device, they need 2"
+# marker -> how many of its tests this process deselected; under pytest-xdist each worker
+# deselects the same ones and hands its counts to the controller (pytest_testnodedown).
+_DESELECTED: dict = {}
+
+
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-    n_gpus = torch.cuda.device_count() if HAS_CUDA else 0
-    skip_multi = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n_gpus}")
+    keep, drop = [], []
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(skip_gpu)
-        elif "multigpu" in item.keywords and n_gpus < 2:
-            item.add_marker(skip_multi)
+        needs_gpu = any(item.get_closest_marker(m) for m in ("gpu", "multigpu"))
+        if _GPU_WHY and needs_gpu:
+            marker = "gpu"  # without CUDA, the multi-GPU tests are counted here too
+        elif _MULTI_WHY and item.get_closest_marker("multigpu"):
+            marker = "multigpu"
+        else:
+            keep.append(item)
+            continue
+        drop.append(item)
+        _DESELECTED[marker] = _DESELECTED.get(marker, 0) + 1
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
@@ -75,16 +92,26 @@ def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)  # set on xdist workers only
     if workeroutput is not None:
         workeroutput["example_counts"] = _example_counts()
+        workeroutput["deselected"] = dict(_DESELECTED)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    for name, n in getattr(node, "workeroutput", {}).get("example_counts", {}).items():
+    output = getattr(node, "workeroutput", {})
+    for name, n in output.get("example_counts", {}).items():
         _WORKER_COUNTS[name] = _WORKER_COUNTS.get(name, 0) + n
+    for marker, n in output.get("deselected", {}).items():  # the same on every worker
+        _DESELECTED[marker] = max(_DESELECTED.get(marker, 0), n)
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print how many hypothesis examples each property test ran (counted by the tests)."""
+    """Print how many GPU tests were deselected and why, and how many hypothesis examples each
+    property test ran (counted by the tests)."""
+    for marker, why, what in (("gpu", _GPU_WHY, "GPU"), ("multigpu", _MULTI_WHY, "multi-GPU")):
+        if _DESELECTED.get(marker):
+            terminalreporter.write_line(
+                f"fused_norm: {_DESELECTED[marker]} {what} tests deselected: {why}"
+            )
     counts = _example_counts()
     for name, n in _WORKER_COUNTS.items():
         counts[name] = counts.get(name, 0) + n
