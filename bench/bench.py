@@ -161,7 +161,7 @@ def bytes_moved(wl: Workload, dt: str, M: int, N: int, mode: str) -> int:
 
 def bytes_per_element(wl: Workload, dt: str, mode: str) -> int:
     """bytes_moved per element of the M·N problem (the rows' share, without the statistics'
-    bytes per row and the weights' per column): what bench/sweep.py counts."""
+    bytes per row and the weights' per column)."""
     b = lambda m, n: bytes_moved(wl, dt, m, n, mode)  # noqa: E731
     return b(2, 2) - b(2, 1) - b(1, 2) + b(1, 1)  # bytes = a*M*N + s*M + c*N (+ 0): a
 

@@ -21,20 +21,20 @@ part or slice: 512 KB for 1024 rows of 32 parts). A buffer handed out stays pend
 between, leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
 two threads issuing on one stream could otherwise enqueue in another order than they took
 buffers. Under CUDA graph capture a replay repeats the captured launches with the same
-buffers, so there (and with ``config.WS_SELF_CLEARING`` off) every call gets a freshly filled
+buffers, so there (and with ``FUSED_NORM_WS_SELF_CLEARING=0``) every call gets a freshly filled
 buffer, as before, and a scratch one for the words the kernel would set.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
 import torch
 
-from . import config
-
 _LOCAL = threading.local()
+SELF_CLEARING = os.environ.get("FUSED_NORM_WS_SELF_CLEARING", "1") != "0"
 
 
 class _Pair:
@@ -58,7 +58,7 @@ def capturing(dev: torch.device) -> bool:
     """Whether ``dev``'s current stream is being captured into a CUDA graph."""
     if dev.index == torch.cuda.current_device():
         return torch.cuda.is_current_stream_capturing()
-    with config.device_guard(dev):
+    with torch.cuda.device(dev):
         return torch.cuda.is_current_stream_capturing()
 
 
@@ -68,7 +68,7 @@ def take(dev: torch.device, words: int, fill: int) -> tuple:
     :func:`done` is called with ``pair`` once it is enqueued (``pair`` None: a fresh buffer,
     and ``ws_next`` a scratch one that nothing reads)."""
     words = max(words, 1)
-    if not config.WS_SELF_CLEARING or (dev.type == "cuda" and capturing(dev)):
+    if not SELF_CLEARING or (dev.type == "cuda" and capturing(dev)):
         both = torch.full((2, (words + 1) & ~1), fill, dtype=torch.int64, device=dev)  # 16 B rows
         return both[0], both[1], None
     stream = 0

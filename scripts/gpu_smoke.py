@@ -1,5 +1,11 @@
-"""Quick GPU correctness smoke: every feature at a few widths, fp32 and bf16, vs the fp64
-reference (max abs error of outputs and grads). Prints one line per case."""
+"""Quick GPU correctness smoke of every layout the benchmark's workloads take: outputs and
+gradients against the fp64 reference, at widths that reach one-block rows, two-block rows,
+chunked and split forward rows, and the backward's one-block, exchanging, pre-pass and Hopper
+(Gluon) paths; then the same call again (the cached fast path) must give bitwise the same
+results. Prints one line per case and exits non-zero on any failure.
+
+    python3 scripts/gpu_smoke.py [--quick]
+"""
 
 import sys
 
@@ -7,51 +13,87 @@ import torch
 
 from fused_norm import layer_norm_fn, layer_norm_ref, rms_norm_ref
 
-dev = "cuda"
-torch.manual_seed(0)
-worst = 0.0
-for dtype in [torch.float32, torch.bfloat16]:
-    for is_rms in [False, True]:
-        for N in [1, 7, 300, 1024, 4096, 16384, 40000, 131072]:
-            M = max(2, min(64, 2**20 // N))
+DEV = "cuda"
+WORKLOADS = {  # (rms, residual, x1, dropout)
+    "ln": (False, False, False, 0.0),
+    "rms": (True, False, False, 0.0),
+    "add_rms": (True, True, False, 0.0),
+    "drop_add_ln": (False, True, False, 0.1),
+    "parallel_ln": (False, True, True, 0.0),
+    "x1_drop_rms": (True, True, True, 0.2),
+}
+NS = [1, 300, 1024, 4096, 5120, 12288, 16384, 20480, 65536, 262144]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
-            def mk(*shape, dtype=dtype):
-                return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_()
 
-            x, res, x1 = mk(M, N), mk(M, N), mk(M, N)
-            w, b, w1, b1 = mk(N), mk(N), mk(N), mk(N)
-            rs = torch.rand(M, device=dev)
-            p = 0.2
-            flags = dict(dropout_p=p, rowscale=rs, prenorm=True, is_rms_norm=is_rms)
-            y, y1, r, m, m1 = layer_norm_fn(
-                x, w, b, res, x1, w1, b1, **flags, return_dropout_mask=True, residual_in_fp32=True
-            )
-            ref = rms_norm_ref if is_rms else layer_norm_ref
-            leaves = [x, res, x1, w, b, w1, b1]
-            dy, dy1, dr = torch.randn_like(y), torch.randn_like(y), torch.randn_like(r)
-            g = torch.autograd.grad(
-                (y.float() * dy).sum() + (y1.float() * dy1).sum() + (r.float() * dr).sum(), leaves
-            )
-            xd = [t.detach().double().requires_grad_() for t in leaves]
-            xr, resr, x1r, wr, br, w1r, b1r = xd
-            yr, y1r, rr = ref(
-                xr, wr, br, resr, x1r, w1r, b1r, dropout_p=p, rowscale=rs.double(), prenorm=True,
-                dropout_mask=m, dropout_mask1=m1,
-            )  # fmt: skip
-            gr = torch.autograd.grad(
-                (yr * dy.double()).sum() + (y1r * dy1.double()).sum() + (rr * dr.double()).sum(), xd
-            )
-            errs = [
-                ((a.double() - b_).abs().max() / b_.abs().max().clamp_min(1)).item()
-                for a, b_ in zip([y, y1, r, *g], [yr, y1r, rr, *gr])
-            ]
-            worst = max(worst, max(errs)) if dtype == torch.float32 else worst
-            print(
-                str(dtype)[6:],
-                "rms" if is_rms else "ln",
-                N,
-                " ".join(f"{e:.1e}" for e in errs),
-                flush=True,
-            )
-print("worst fp32 relative error:", worst)
-sys.exit(0 if worst < 1e-4 else 1)
+def case(name, dtype, n, rowscale=False):
+    rms, has_res, has_x1, p = WORKLOADS[name]
+    m = max(2, min(512, 2**23 // n))
+
+    def mk(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=DEV)).to(dtype).requires_grad_()
+
+    x = mk(m, n)
+    res = mk(m, n) if has_res else None
+    x1 = mk(m, n) if has_x1 else None
+    w = mk(n, scale=0.1)
+    with torch.no_grad():
+        w += 1
+    b = None if rms else mk(n, scale=0.1)
+    w1 = mk(n) if has_x1 else None
+    b1 = mk(n) if has_x1 and not rms else None
+    rs = torch.rand(m, device=DEV) + 0.5 if rowscale else None
+    leaves = [t for t in (x, res, x1, w, b, w1, b1) if t is not None]
+    outs = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=1e-5, dropout_p=p, rowscale=rs,
+                         prenorm=has_res, is_rms_norm=rms, return_dropout_mask=p > 0)  # fmt: skip
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    masks = outs[-2:] if p > 0 else [None, None]
+    ys = outs[:-2] if p > 0 else outs
+    ups = [torch.randn_like(y) for y in ys]
+    grads = torch.autograd.grad(ys, leaves, ups)
+    # The cached path: the same call again gives the same outputs and gradients bitwise (no
+    # dropout: the masks would differ).
+    if p == 0:
+        again = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=1e-5, rowscale=rs, prenorm=has_res,
+                              is_rms_norm=rms)  # fmt: skip
+        again = list(again) if isinstance(again, tuple) else [again]
+        grads2 = torch.autograd.grad(again, leaves, ups)
+        same = all(torch.equal(a, b_) for a, b_ in zip(ys + list(grads), again + list(grads2)))
+    else:
+        same = True
+    xd = [None if t is None else t.detach().double().requires_grad_() for t in
+          (x, res, x1, w, b, w1, b1)]  # fmt: skip
+    xr, resr, x1r, wr, br, w1r, b1r = xd
+    ref = rms_norm_ref if rms else layer_norm_ref
+    refs = ref(xr, wr, br, resr, x1r, w1r, b1r, eps=1e-5, dropout_p=p,
+               rowscale=None if rs is None else rs.double(), prenorm=has_res,
+               dropout_mask=masks[0], dropout_mask1=masks[1])  # fmt: skip
+    refs = list(refs) if isinstance(refs, tuple) else [refs]
+    gr = torch.autograd.grad(refs, [t for t in xd if t is not None], [u.double() for u in ups])
+    errs = [((a.double() - r).abs().max() / r.abs().max().clamp_min(1)).item()
+            for a, r in zip(ys + list(grads), refs + list(gr))]  # fmt: skip
+    worst = max(errs)
+    ok = worst < TOL[dtype] and same
+    print(f"{'ok  ' if ok else 'FAIL'} {name:12s} {str(dtype)[6:]:8s} n={n:6d} m={m:5d} "
+          f"rowscale={rowscale} worst={worst:.1e} cached_same={same}", flush=True)  # fmt: skip
+    return ok
+
+
+def main():
+    quick = "--quick" in sys.argv
+    torch.manual_seed(0)
+    failures = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for name in WORKLOADS:
+            widths = NS if not quick else [1024, 5120, 16384, 20480, 65536, 262144]
+            if quick and dtype == torch.float32:
+                widths = [1024, 16384, 65536]
+            for n in widths:
+                failures += not case(name, dtype, n)
+        failures += not case("drop_add_ln", dtype, 4096, rowscale=True)
+    print(f"{failures} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

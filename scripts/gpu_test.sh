@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU suite in one command (`make gpu-test`): every test marked `gpu` or `multigpu` (the
-# two-GPU ones skip with a reason on one GPU), then a quick benchmark, then a summary.
+# The GPU suite in one command (`make gpu-test`): every test marked `gpu` or `multigpu` (on one
+# GPU tests/conftest.py deselects the two-GPU ones and says so), then a quick benchmark, then a
+# summary.
 #
 #   scripts/gpu_test.sh [RESULTS_DIR]        # default ./gpu-results
 #
@@ -8,7 +9,7 @@
 # process at a time it took 416-487 s on an H200 (2026-11-26), so where pytest-xdist is
 # importable the tests run in GPU_TEST_WORKERS processes sharing the GPU(s). The tests marked
 # `solo` run afterwards in one process alone: the huge-tensor test (about 48 GB of one card)
-# and those that watch a process's first compiles (tests/test_launch.py says why).
+# and those that watch a process's first compiles (tests/gpu/test_gpu_first_call.py says why).
 #
 # RESULTS_DIR receives junit-*.xml, pytest-*.log, bench.log, bench/ (the benchmark's CSV/plots)
 # and summary.txt. The whole run is budgeted to fit one 10-minute device call:
@@ -144,6 +145,11 @@ if reports:
 else:
     why = "timed out" if test_rc in (124, 137) else f"exit {test_rc}"
     print(f"tests: no junit report ({why}); see {out}/pytest-*.log")
+# tests/conftest.py's line on tests deselected for want of GPUs (not in the junit reports)
+for log in sorted(out.glob("pytest-*.log")):
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("fused_norm: ") and "deselected" in line:
+            print(f"  {log.stem}: {line[len('fused_norm: '):]}")
 print(f"pytest exit code: {test_rc}")
 print(f"benchmark: {bench_status}")
 print(f"wall time: {elapsed}s; results in {out}")

@@ -47,22 +47,23 @@ from typing import Optional
 
 import torch
 
-import fused_norm
 from fused_norm import (
     dropout_add_layer_norm,
     dropout_add_layer_norm_parallel_residual,
     dropout_add_rms_norm,
     dropout_add_rms_norm_parallel_residual,
+    heuristics,
     layer_norm_fn,
     layer_norm_ref,
     rms_norm_fn,
     rms_norm_ref,
 )
+from fused_norm.kernels.common import CANCEL_RATIO as CANCEL_RATIO_CONSTEXPR
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL_ULPS = 4.0
-INTERPRETED = fused_norm.autograd.KERNELS_INTERPRETED
-CANCEL_RATIO = fused_norm.kernels.CANCEL_RATIO.value  # LayerNorm's joint statistics (kernels)
+INTERPRETED = heuristics.INTERPRETED  # the kernels run in Triton's CPU interpreter
+CANCEL_RATIO = CANCEL_RATIO_CONSTEXPR.value  # LayerNorm's joint statistics (kernels.common)
 # Names of the differentiable inputs, in the order the runner reports them.
 GRAD_NAMES = ("x", "weight", "bias", "residual", "x1", "weight1", "bias1", "layerscale")
 
@@ -589,93 +590,117 @@ def check_case(
     return outs, kgrads, masks
 
 
-class max_block_bytes:
-    """Context manager: cap the forward's and the backward's block at ``value`` bytes
-    (``fused_norm.config.MAX_BLOCK_BYTES``, ``BWD_MAX_BLOCK_BYTES*``, ``BWD_TILE_BYTES``,
-    ``BWD_TILE_BYTES_X1``, ``BWD_EXCHANGE_TILE_BYTES``, the pre-pass's
-    ``BWD_SUMS_BLOCK_BYTES``), forcing the chunked
-    forward and the backward's column blocks (which exchange their row sums, or with
-    ``BWD_EXCHANGE`` off take the row-sums pre-pass, whose parts are then two chunks:
-    ``BWD_SUMS_PART_BYTES``); None leaves them alone. Restored on exit, also on failure."""
+class patched:
+    """Context manager: set attributes of ``module`` (keyword arguments; default
+    ``fused_norm.heuristics``, the launch rules) and restore them on exit, also on failure. The
+    plans and call signatures made so far are forgotten on entry and on exit
+    (``ops.clear_plans``), so that the calls inside are planned under the patched rules and
+    those after under the restored ones."""
 
-    NAMES = (
-        "MAX_BLOCK_BYTES",
-        "BWD_MAX_BLOCK_BYTES",
-        "BWD_MAX_BLOCK_BYTES_MULTI",
-        "BWD_TILE_BYTES",
-        "BWD_TILE_BYTES_X1",
-        "BWD_EXCHANGE_TILE_BYTES",
-        "BWD_SUMS_BLOCK_BYTES",
-    )
-
-    def __init__(self, value: Optional[int]):
-        self.value = value
-
-    def __enter__(self):
-        cfg = fused_norm.config
-        self.saved = {k: getattr(cfg, k) for k in (*self.NAMES, "BWD_SUMS_PART_BYTES")}
-        if self.value is not None:
-            for k in self.NAMES:
-                setattr(cfg, k, self.value)
-            cfg.BWD_SUMS_PART_BYTES = 2 * self.value
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(fused_norm.config, k, v)
-
-
-class patched_config:
-    """Context manager: set attributes of ``fused_norm.config`` (keyword arguments) and restore
-    them on exit, also on failure."""
-
-    def __init__(self, **values):
+    def __init__(self, module=None, **values):
+        self.module = heuristics if module is None else module
         self.values = values
 
     def __enter__(self):
-        cfg = fused_norm.config
-        self.saved = {k: getattr(cfg, k) for k in self.values}
+        self.saved = {k: getattr(self.module, k) for k in self.values}
         for k, v in self.values.items():
-            setattr(cfg, k, v)
+            setattr(self.module, k, v)
+        _clear_plans()
+        return self
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():
-            setattr(fused_norm.config, k, v)
+            setattr(self.module, k, v)
+        _clear_plans()
 
 
-def split_rows(value: int) -> patched_config:
+def _clear_plans() -> None:
+    from fused_norm import ops
+
+    ops.clear_plans()
+
+
+def patched_config(**values) -> patched:
+    """``patched`` on ``fused_norm.heuristics`` (the launch rules' constants and functions)."""
+    return patched(heuristics, **values)
+
+
+def max_block_bytes(value: Optional[int]) -> patched:
+    """Cap the forward's block at ``value`` bytes (``heuristics.MAX_BLOCK_BYTES``: chunked
+    rows), and the backward's at ``value`` bytes of 16-bit columns (``BWD_BLOCK_BYTES``,
+    ``BWD_BLOCK_BYTES_MULTI``: column blocks), the exchanging column blocks', the pre-pass
+    path's column blocks and the row-sums pre-pass's chunks likewise (``EXCHANGE_BLOCK_BYTES``,
+    ``PREPASS_BLOCK_BYTES``, ``SUMS_BLOCK_BYTES``). Whether wide backward rows exchange their
+    row sums or take the pre-pass is ``heuristics.EXCHANGE``'s (patch it beside). None leaves
+    the rules alone."""
+    names = ("MAX_BLOCK_BYTES", "BWD_BLOCK_BYTES", "BWD_BLOCK_BYTES_MULTI",
+             "EXCHANGE_BLOCK_BYTES", "PREPASS_BLOCK_BYTES", "SUMS_BLOCK_BYTES")  # fmt: skip
+    return patched_config(**({} if value is None else dict.fromkeys(names, value)))
+
+
+def split_rows(value: int) -> patched:
     """Split every forward row wider than ``value`` bytes into parts of ``value`` bytes
-    (``fused_norm.config.FWD_SPLIT_*``), with up to 64 parts per row whatever the device's SM
-    count."""
-    return patched_config(FWD_SPLIT_MIN_BYTES=value, FWD_SPLIT_BLOCK_BYTES=value,
-                          FWD_SPLIT_DROPOUT_64K_BYTES=value,
-                          sm_count=lambda device: 64)  # fmt: skip
+    (``heuristics.SPLIT_MIN_BYTES``, ``SPLIT_PART_BYTES``), with up to 64 parts per row
+    whatever the device's SM count (``FALLBACK_SMS``, the interpreter's bound on the parts)."""
+    return patched_config(SPLIT_MIN_BYTES=value, SPLIT_PART_BYTES=value, FALLBACK_SMS=64)
 
 
-def few_programs(count: int) -> patched_config:
-    """At most ``count`` backward programs (``fused_norm.config.bwd_num_programs``), so that each
-    owns several rows: on the CPU the fallback SM count gives a program per row to the few
-    rows the tests draw."""
-    return patched_config(
-        bwd_num_programs=lambda n_rows, device, num_warps, num_chunks, resident=0: max(
-            min(count, n_rows), 1
-        )
-    )
+def few_programs(count: int) -> patched:
+    """At most ``count`` backward programs (``heuristics.programs``), so that each owns several
+    rows: on the CPU the fallback SM count gives a program per row to the few rows the tests
+    draw."""
+    return patched_config(programs=lambda d, plan, m, resident=0: max(min(count, m), 1))
 
 
-def one_row_per_program() -> patched_config:
-    """No tiles of narrow rows (``FWD_ROWS_PER_PROGRAM``, ``BWD_TILE_ROWS``): the forward and
+def one_row_per_program() -> patched:
+    """No tiles of narrow rows (``FWD_TILE_ROWS``, ``BWD_TILE_ROWS``): the forward and
     backward take one row at a time, as they do for rows wider than the tiles' widths."""
-    return patched_config(FWD_ROWS_PER_PROGRAM=1, BWD_TILE_ROWS=1)
+    return patched_config(FWD_TILE_ROWS=1, BWD_TILE_ROWS=1)
 
 
-def tail_blocks(value) -> patched_config:
-    """Set ``fused_norm.config.TAIL_BLOCKS`` (one-block rows whose width is not a power of two
-    held as two blocks: True wherever that is narrower than the padded block, False never,
-    "measured" where measured to pay). With True the forward also takes one row per program:
-    a tile of several narrow rows keeps one block, and these widths are all narrow."""
+def tail_blocks(value) -> patched:
+    """Set ``heuristics.TAILS`` (one-block rows whose width is not a power of two held as two
+    blocks: True wherever that is narrower than the padded block, False never, "measured"
+    where measured to pay). With True the forward also takes one row per program: a tile of
+    several narrow rows keeps one block, and these widths are all narrow."""
     if value is True:
-        return patched_config(TAIL_BLOCKS=True, FWD_ROWS_PER_PROGRAM=1)
-    return patched_config(TAIL_BLOCKS=value)
+        return patched_config(TAILS=True, FWD_TILE_ROWS=1)
+    return patched_config(TAILS=value)
+
+
+def tuned_overrides(fwd=None, bwd=None) -> patched:
+    """Every plan made inside takes these entries as if the device's tuned table held them for
+    its row (``heuristics.tuned``): ``fwd`` / ``bwd`` a dict of overrides (e.g. ``{"hold": 1}``,
+    ``{"full_row": False}``), or a callable ``(kinds, tags, widths) -> dict``, merged over the
+    table's own entry. A way to force the kernels' code paths that the rules leave to the
+    tables."""
+    original = heuristics.tuned
+    extra = {"fwd": fwd, "bwd": bwd}
+
+    def tuned(d, direction, kinds, tags, widths):
+        own = dict(original(d, direction, kinds, tags, widths))
+        more = extra[direction]
+        if callable(more):
+            more = more(kinds, tags, widths)
+        own.update(more or {})
+        return own
+
+    return patched_config(tuned=tuned)
+
+
+def split_constexprs(**values) -> patched:
+    """Every split forward plan (rows over several programs) made inside takes these
+    constexprs (e.g. ``HOLD=1``) over the rules' own: a way to force a code path of the split
+    rows whatever the rules and tables choose. The caller keeps them valid for its rows."""
+    original = heuristics.forward_plan
+
+    def forward_plan(d, row):
+        plan = original(d, row)
+        if plan.split > 1:
+            plan = plan._replace(constexprs=dict(plan.constexprs, **values))
+        return plan
+
+    return patched_config(forward_plan=forward_plan)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -203,8 +203,8 @@ def test_fresh_masks_each_call_replayed_from_the_rng_state(device):
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-LAYOUTS = {  # forward layouts: (n, rows, x1, config patch)
-    "tile": (100, 7, True, lambda: patched_config(FWD_ROWS_PER_PROGRAM=4, FWD_ROWS_MAX_N=256)),
+LAYOUTS = {  # forward layouts: (n, rows, x1, rules patch)
+    "tile": (100, 7, True, lambda: patched_config(FWD_TILE_ROWS=4)),
     "one-row": (80, 5, True, lambda: tail_blocks(True)),
     "chunked": (200, 3, False, lambda: max_block_bytes(64)),
     "split": (200, 3, False, lambda: split_rows(64)),
@@ -212,15 +212,24 @@ LAYOUTS = {  # forward layouts: (n, rows, x1, config patch)
 }
 
 
+def _saved_seeds(y) -> torch.Tensor:
+    """The per-row seeds an eager forward saved for its backward (ops.KernelCall.forward saves
+    ``(s, weight, bias, weight1, bias1, rowscale, layerscale, seeds, ...)``)."""
+    seeds = y.grad_fn.saved_tensors[7]
+    assert seeds.dtype == torch.int64, "not the seeds"
+    return seeds.detach().clone()
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_seeds_derived_from_key_are_the_seeds_stored(layout, device, monkeypatch):
     """Given the call's key (an eager call's: ops.dropout_key) the forward derives seed ``i``
-    (x's rows, then x1's) as the key's low word plus ``i`` mod 2**32 and stores it, and a
-    forward that reads those stored seeds (as under CUDA graph capture) gives bitwise the same
-    outputs and masks; then the backward, which reads them, drops what the forward dropped.
-    The key's low word wraps mid-call here. Rows as tiles of four, one per program, chunked,
-    and split over programs; the x1 path's split rows take no key (ops._fwd_plan): their
-    seeds are drawn on the device, as under capture (test_where_seeds_come_from_a_key)."""
+    (x's rows, then x1's) as the key's low word plus ``i`` mod 2**32 and stores it; a forward
+    that reads those stored seeds (as under CUDA graph capture, where ops.draw_seeds fills
+    them) and the traced forward (torch.ops.fused_norm.fwd, which reads them too) give
+    bitwise the same outputs and masks; then the backward, which reads them, drops what the
+    forward dropped. The key's low word wraps mid-call here. Rows as tiles of four, one per
+    program, chunked, and split over programs; where a plan takes no key (seeds_from_key, e.g.
+    the x1 path's split rows) the seeds are drawn on the device, as under capture."""
     from fused_norm import ops
 
     n, rows, has_x1, patch = LAYOUTS[layout]
@@ -232,49 +241,66 @@ def test_seeds_derived_from_key_are_the_seeds_stored(layout, device, monkeypatch
     count = 2 * rows if has_x1 else rows
     expected = (key + torch.arange(count, dtype=torch.int64)) & 0xFFFFFFFF
     monkeypatch.setattr(ops, "dropout_key", lambda dev: key)  # the call's key, as drawn
-    runs = []
+
+    def run(xr, x1r=x1):
+        y, s, mask, mask1 = layer_norm_fn(
+            xr, w, None, residual=res, x1=x1r, eps=1e-5, dropout_p=0.4, prenorm=True,
+            return_dropout_mask=True,
+        )  # fmt: skip
+        return y, s, mask, mask1
+
     with patch():
-        for from_key in (True, False):
-            seeds = torch.empty(count, dtype=torch.int64, device=device)
-            if not from_key:
-                seeds.copy_(runs[0][0])
-            out = ops.fused_norm_fwd(
-                x, w, None, res, x1, None, None, None, None, seeds, 1e-5, 0.4, False, False,
-                torch.float32, torch.float32, True, True, fill_seeds=from_key,
-            )  # fmt: skip
-            runs.append((seeds, *out))
-    if layout == "split-x1":
-        drawn = runs[0][0].cpu()
-        assert not torch.equal(drawn, expected) and bool(((drawn >= 0) & (drawn < 2**31)).all())
-    else:
-        assert torch.equal(runs[0][0].cpu(), expected), "the forward stored other seeds"
-    names = ("seeds", "y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
-    for name, a, b in zip(names, *runs):
-        assert (a is None and b is None) or torch.equal(a, b), f"{name} differs"
-    seeds, y, _, s, mean, rstd, mask, mask1 = runs[0]
-    assert 0.4 < float(mask.float().mean()) < 0.8  # masks of p = 0.4
-    dy = torch.randn(rows, n, generator=gen).to(device)
-    dx, _, _, _, dx1, _, _, _ = ops.fused_norm_bwd(
-        dy, s, w, None, None, None, mean, rstd, seeds=seeds, dropout_p=0.4,
-        x_dtype=torch.float32, x1_dtype=torch.float32 if has_x1 else None,
-    )  # fmt: skip
-    for g, m in ((dx, mask), (dx1, mask1)) if has_x1 else ((dx, mask),):
+        leaves = [x.clone().requires_grad_()] + (
+            [] if x1 is None else [x1.clone().requires_grad_()]
+        )
+        y, s, mask, mask1 = run(*leaves)
+        seeds = _saved_seeds(y)
+        (row_plan,) = [p for k, p in ops._PLANS.items() if k[0] == "fwd"]
+        if row_plan.seeds_from_key:
+            assert torch.equal(seeds.cpu(), expected), "the forward stored other seeds"
+        else:  # drawn by torch.randint on the device
+            assert not torch.equal(seeds.cpu(), expected)
+            assert bool(((seeds >= 0) & (seeds < 2**31)).all())
+        # The same call with its seeds read, not derived (as under capture).
+        monkeypatch.setattr(ops, "dropout_key", lambda dev: None)
+        monkeypatch.setattr(ops, "draw_seeds", lambda count, dev, out=None: out.copy_(seeds))
+        again = run(x.clone().requires_grad_())
+        assert torch.equal(_saved_seeds(again[0]), seeds)
+        # The traced forward reads them too.
+        traced = torch.ops.fused_norm.fwd(
+            x, w, None, res, x1, None, None, None, None, seeds, 1e-5, 0.4, False, False, True,
+            True, torch.float32, torch.float32,
+        )  # fmt: skip
+        # [y, residual_out, mean, rstd, mask, mask1 (with x1)]
+        traced = dict(zip(("y", "residual_out", "mean", "rstd", "mask", "mask1"), traced))
+        for name, a, b in zip(("y", "residual_out", "mask", "mask1"), (y, s, mask, mask1), again):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name} differs"
+            if a is not None:
+                assert torch.equal(a, traced[name]), f"{name} differs from the traced forward"
+        assert 0.4 < float(mask.float().mean()) < 0.8  # masks of p = 0.4
+        dy = torch.randn(rows, n, generator=gen).to(device)
+        grads = torch.autograd.grad(y, leaves, dy)
+    for g, m in zip(grads, (mask, mask1)):
         assert bool((g[~m] == 0).all() and (g[m] != 0).all())
 
 
-def test_dropout_key_values(monkeypatch):
+def test_dropout_key_values():
     """ops.dropout_key's keys lie in [KEY_LOW, KEY_HIGH) (one int64 type to Triton whatever
-    the value), those mixed from one seed's successive offsets are distinct, and with
-    config.DROPOUT_KEY_ON_HOST off there is none (the seeds are drawn on the device)."""
-    from fused_norm import config, ops
+    the value), those mixed from one seed's successive offsets are distinct, the CPU's comes
+    from torch's generator (torch.manual_seed repeats it), and a device with no generator the
+    launcher reads has none (the seeds are drawn on the device)."""
+    from fused_norm import ops
 
     keys = {ops._mix(seed, offset) for seed in (0, 42, 2**63 + 5) for offset in range(0, 40000, 4)}
     assert len(keys) == 30000
     assert all(ops.KEY_LOW <= k < ops.KEY_HIGH for k in keys)
     cpu = torch.device("cpu")
-    assert ops.KEY_LOW <= ops.dropout_key(cpu) < ops.KEY_HIGH
-    monkeypatch.setattr(config, "DROPOUT_KEY_ON_HOST", False)
-    assert ops.dropout_key(cpu) is None
+    torch.manual_seed(3)
+    first = ops.dropout_key(cpu)
+    assert ops.KEY_LOW <= first < ops.KEY_HIGH and ops.dropout_key(cpu) != first
+    torch.manual_seed(3)
+    assert ops.dropout_key(cpu) == first
+    assert ops.dropout_key(torch.device("meta")) is None
 
 
 @pytest.mark.gpu
@@ -304,32 +330,3 @@ def test_gpu_dropout_key_from_the_cuda_generator():
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         captured = ops.dropout_key(dev)
     assert captured is None
-
-
-def test_where_seeds_come_from_a_key(monkeypatch):
-    """The forward's plans on an H100/H200 (bench/NOTES.md #80): a key gives the seeds of every
-    dropout row but the x1 path's on 16 or more warps or split (their seeds are drawn on the
-    device, the previous code); the seeds are stored after the row, but before it in the x1
-    path's rows and on 16 or more warps (where ptxas scheduled that faster)."""
-    from fused_norm import config, ops
-
-    monkeypatch.setattr(config, "sm_count", lambda device: 132)
-    monkeypatch.setattr(config, "split_rows_ok", lambda device: True)
-    monkeypatch.setattr(config, "_nvidia", lambda device: True)
-    gpu, bf16 = torch.device("cuda"), torch.bfloat16
-
-    def plan(n, x1):
-        p = ops._fwd_plan(
-            gpu, n, bf16, bf16, bf16, bf16 if x1 else None, bf16, True, x1, x1, False, False,
-            False, True, False, False,
-        )  # fmt: skip
-        return p.split > 1, p.num_warps >= 16, p.seeds_from_key, p.constexprs["SEEDS_LAST"]
-
-    assert plan(1024, False) == (False, False, True, True)
-    assert plan(12288, False) == (False, True, True, False)
-    assert plan(65536, False) == (True, False, True, True)
-    assert plan(1024, True) == (False, False, True, False)
-    assert plan(5120, True)[2:] == (True, False)
-    assert plan(10240, True)[1:3] == (True, False)
-    assert plan(12288, True)[1:3] == (True, False)
-    assert plan(65536, True)[::2] == (True, False)

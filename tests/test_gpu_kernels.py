@@ -2,10 +2,16 @@
 persistent backward grid with many rows per program, bitwise determinism, and int64 row
 offsets. Same three-way tolerance rule as test_kernels.py, the fp64 truth computed on the GPU.
 
-Every test is marked ``gpu`` (conftest skips them with a reason where CUDA is absent). Runtime is
+Every test is marked ``gpu`` (conftest deselects them where CUDA is absent). Runtime is
 dominated by Triton compiles, one forward and one backward per (flag set, dtype, block
 configuration): about 80 compiles for the matrix below, so the matrix is a deliberate
-selection rather than a full product.
+selection rather than a full product. Its rows were picked to reach every layout the launch
+rules have given some row (one block, two blocks, tiles of narrow rows, chunks, split rows,
+column blocks exchanging their row sums or after the row-sums pre-pass, the Gluon backward,
+register caps); which layout a row takes now is heuristics' business, and the matrix checks
+the result whatever it is. Tests that force a layout patch heuristics' constants or give
+plan overrides (_helpers.patched_config, split_constexprs); each asks ops' plan cache
+which plan ran (``ops._PLANS`` after ``ops.clear_plans()``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from _helpers import (
     call_fused,
     check_case,
     make_inputs,
+    patched_config,
     run_filled,
+    split_constexprs,
 )
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -40,15 +48,14 @@ FLAGS = {
     "drop_add_ln_prenorm_fp32res": dict(residual_dtype=FP32, residual_in_fp32=True,
                                         dropout_p=0.1, prenorm=True, weight_dtype=FP32),
     "x1_w1": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same"),
-    # A 16-bit stream with dropout: the forward's register cap (config.fwd_maxnreg) applies.
+    # A 16-bit stream with dropout: the forward's register caps.
     "drop_add_ln_prenorm": dict(residual_dtype="same", dropout_p=0.1, prenorm=True),
-    # An fp32 stream: the 4-byte rows' launch choices (config.fwd_block_choice, bwd_num_warps).
+    # An fp32 stream: the 4-byte rows' launch choices.
     "add_rms_prenorm_fp32res": dict(is_rms_norm=True, has_bias=False, residual_dtype=FP32,
                                     prenorm=True),
     "x1_w1_fp32res": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype=FP32,
                           prenorm=True),
-    # 16-bit rows with fp32 weights (autocast training): their own launch choices
-    # (config.fwd_split's ln_w4, fwd_split_warps, fwd_block_choice, bwd_launch_layout).
+    # 16-bit rows with fp32 weights (autocast training): their own launch choices.
     "ln_w32": dict(weight_dtype=FP32),
     "rms_w32": dict(is_rms_norm=True, has_bias=False, weight_dtype=FP32),
     "x1_w1_w32": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same",
@@ -56,7 +63,7 @@ FLAGS = {
     "drop_add_ln_prenorm_w32": dict(residual_dtype="same", dropout_p=0.1, prenorm=True,
                                     weight_dtype=FP32),
     # The x1 path with dropout (x1's own mask), prenorm: its backward's warps at 1025-2048
-    # columns (config.bwd_num_warps).
+    # columns.
     "x1_w1_drop": dict(has_x1=True, has_w1=True, has_b1=True, residual_dtype="same",
                        dropout_p=0.1, prenorm=True),
 }  # fmt: skip
@@ -66,7 +73,7 @@ MATRIX = (
     + [("ln", n, FP16) for n in (1024, 16384, 131072)]
     + [("rms", n, FP16) for n in (768, 8192, 32768, 262144)]
     + [("rms", 32768, BF16)]  # lane-summed chunks of 32 warps (LayerNorm unrolled: ALL_N)
-    # Lane-summed chunks (config.fwd_block_layout), the last partly empty at 16000, 8000, 30000,
+    # Lane-summed chunks , the last partly empty at 16000, 8000, 30000,
     # 4000 and 20000; 12288 by its own width, in place of two blocks.
     + [("rms", 16384, BF16), ("ln", 16000, BF16), ("rms", 8000, BF16), ("ln", 30000, BF16)]
     + [("rms", 4000, BF16), ("rms", 12288, BF16), ("ln", 20000, BF16)]
@@ -84,17 +91,17 @@ MATRIX = (
     + [(f, n, BF16) for f in ("ln", "drop_add_ln_prenorm_fp32res") for n in (100, 256)]
     + [("ln", 400, BF16), ("rms", 512, BF16), ("x1_w1", 512, BF16), ("add_rms_prenorm", 512, BF16)]
     + [("drop_add_ln_prenorm", 512, BF16)]  # the backward's tiles of rows with dropout
-    # Widths held as two blocks (config.block_tail): forward 2560 = 2048 + 512, 3000 =
+    # Widths held as two blocks : forward 2560 = 2048 + 512, 3000 =
     # 2048 + 1024 (the tail partly empty), 5120 = 4096 + 1024, 6144, 12288 (above); backward
     # 5120 and 6144.
     + [("drop_add_ln_prenorm", 5120, BF16), ("rms", 5120, BF16), ("x1_w1", 2560, BF16)]
     + [("ln", 3000, FP32), ("add_rms_prenorm", 6144, BF16)]
     # LayerNorm's backward at 8K-10K 16-bit columns as one program of two blocks, with
-    # dropout too and beside fp32 weights (config.bwd_block_config, bench/NOTES.md #65); 64
-    # KB rows split with dropout or x1 (config.fwd_split).
+    # dropout too and beside fp32 weights (bench/NOTES.md #65); 64
+    # KB rows split with dropout or x1 .
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
     # The backward's row-sums pre-pass in parts of a row, whose shares a second kernel adds
-    # (16-bit weights; config.bwd_sums_layout, bench/NOTES.md #84).
+    # (16-bit weights; bench/NOTES.md #84).
     + [("drop_add_ln_prenorm", 131072, BF16), ("x1_w1", 262144, BF16)]
     # ... 16 of them for 16-bit rows without x1 at 256K (#107)
     + [("drop_add_ln_prenorm", 262144, FP16)]
@@ -108,8 +115,8 @@ MATRIX = (
     # ... and one weight gradient's rows at 16K-20K, 16384 + a tail of at most 4096 (#65)
     + [("rms", 18432, BF16), ("add_rms_prenorm", 20480, FP16)]
     # add + RMSNorm's backward of 16-bit rows in one padded 8192 block under a register cap of
-    # 64 (config.bwd_maxnreg; 6144 above), and on 2 warps at 1024 columns (bwd_num_warps);
-    # RMSNorm of x alone at 6144 in the padded block (config.bwd_layout).
+    # 64 (6144 above), and on 2 warps at 1024 columns ;
+    # RMSNorm of x alone at 6144 in the padded block .
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
     + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
     # ... and of fp16 rows under a cap of 128 (bench/NOTES.md #112; 8192 above); since #113
@@ -129,8 +136,8 @@ MATRIX = (
     + [("drop_add_ln_prenorm_fp32res", 65536, BF16), ("x1_w1_fp32res", 16384, BF16)]
     + [("add_rms_prenorm_fp32res", n, BF16) for n in (4096, 16384)]
     + [("add_rms_prenorm", 4096, FP32)]
-    # 64 KB rows with dropout in 16 parts of 2K columns on 2 warps (config.fwd_split; bf16
-    # above), RMSNorm's backward at 2048 columns on 2 stages (config.bwd_row_stages).
+    # 64 KB rows with dropout in 16 parts of 2K columns on 2 warps (bf16
+    # above), RMSNorm's backward at 2048 columns on 2 stages .
     + [("drop_add_ln_prenorm", 32768, FP16), ("rms", 2048, BF16)]
     # fp32 weights beside 16-bit rows (bench/NOTES.md #59): plain LayerNorm rows of 24K-32K
     # columns split (held, 2 warps), held RMSNorm in 16 parts on 2 warps, the x1 path's one
@@ -167,95 +174,10 @@ def _case(flags: str, n: int, dtype: torch.dtype, rows=None, seed=0) -> Case:
     "flags, n, dtype", MATRIX, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in MATRIX]
 )
 def test_gpu_matches_reference(flags, n, dtype):
-    """Outputs and every gradient vs the fp64 reference (three-way rule) at real widths.
-    Rows wider than config.MAX_BLOCK_BYTES (64 KB: 16K fp32 / 32K 16-bit columns) take the
-    forward's chunked path, wider than BWD_MAX_BLOCK_BYTES of 16-bit columns (16K; 8K with two
-    or more parameter gradients, whatever the dtype) the backward's column blocks with its
-    row-sums pre-pass."""
+    """Outputs and every gradient vs the fp64 reference (three-way rule) at real widths: rows
+    wider than one program's registers take the forward's split or chunked rows and the
+    backward's column blocks (or the Gluon backward's slices), whichever the rules give."""
     check_case(_case(flags, n, dtype), "fn", device="cuda")
-
-
-@pytest.mark.parametrize("n, dtype", [(4096, BF16), (4096, FP16), (3072, BF16)])
-def test_gpu_folded_row_sums_match_reference(n, dtype, monkeypatch):
-    """RMSNorm of x alone at 3072-4096 columns with its backward's row sum folded over the
-    layout's four repeats (kernels._fold_repeats), as on Triton 3.9 (config.bwd_sum_repeats,
-    bench/NOTES.md #117), forced on the device's Triton: matches the fp64 reference."""
-    from fused_norm import config
-
-    monkeypatch.setattr(config, "BWD_SUM_REPEATS_FROM", (0,))
-    rule = config.bwd_sum_repeats
-    answers = []
-
-    def recorded(*args):
-        answers.append(rule(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(config, "bwd_sum_repeats", recorded)
-    check_case(_case("rms", n, dtype), "fn", device="cuda")
-    assert 4 in answers, answers
-
-
-def _force_held_rows(monkeypatch):
-    """config.bwd_recompute answering yes for every backward row it may serve (one block, no
-    tail, tile, pipeline or exchange); returns the list of its answers."""
-    from fused_norm import config
-
-    answers = []
-
-    def held(block_n, num_chunks, tail, tile_rows, stages, exchange, *args):
-        answers.append(num_chunks == 1 and not tail and tile_rows == 1 and stages == 1
-                       and not exchange)  # fmt: skip
-        return answers[-1]
-
-    monkeypatch.setattr(config, "bwd_recompute", held)
-    return answers
-
-
-HELD_ROWS = [("ln", 512, BF16), ("ln", 512, FP16), ("ln", 1024, BF16), ("ln", 300, BF16),
-             ("rms", 1024, BF16), ("ln_w32", 512, BF16), ("add_rms_prenorm", 512, FP16),
-             ("add_rms_prenorm_fp32res", 1024, BF16), ("ln", 512, FP32)]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "flags, n, dtype", HELD_ROWS, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in HELD_ROWS]
-)
-def test_gpu_held_backward_rows_match_reference(flags, n, dtype, monkeypatch):
-    """The backward of one-block rows holding each row's loads across its row sums
-    (kernels._held_row_grads, _held_again: the inline PTX copy of _held), forced where it may
-    serve, beyond the rows config.BWD_RECOMPUTE_ROWS gives it (LayerNorm at 1024 / 2048 with
-    Triton 3.9, bench/NOTES.md #118): 16-bit and fp32 rows and weights, a residual stream of either; matches
-    the fp64 reference."""
-    answers = _force_held_rows(monkeypatch)
-    check_case(_case(flags, n, dtype), "fn", device="cuda")
-    assert True in answers, answers
-
-
-@pytest.mark.parametrize("n, dtype", [(512, BF16), (1024, BF16), (2048, FP16)])
-def test_gpu_held_backward_rows_same_gradients(n, dtype, monkeypatch):
-    """LayerNorm's held backward rows (#118), forced on the device's Triton, give the same dx,
-    bit for bit, as the rows that hold their fp32 maths: the same operations on the same
-    values. dW and dB agree to rounding: their partials are summed over the programs that
-    fit, which the registers change."""
-    from fused_norm import config, layer_norm_fn
-
-    gen = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(4099, n, device="cuda", dtype=dtype, generator=gen)
-    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
-    b = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
-    dy = torch.randn(4099, n, device="cuda", dtype=dtype, generator=gen)
-
-    def grads():
-        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        return torch.autograd.grad(layer_norm_fn(*leaves, eps=1e-5), leaves, dy)
-
-    monkeypatch.setattr(config, "bwd_recompute", lambda *args: False)  # (plans rebuilt)
-    plain = grads()
-    answers = _force_held_rows(monkeypatch)
-    held = grads()
-    assert True in answers, answers
-    assert torch.equal(held[0], plain[0])
-    for got, want in zip(held[1:], plain[1:]):
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -267,8 +189,7 @@ def test_gpu_layer_norm_joint_statistics(n, dtype, offset):
     """LayerNorm's mean and M2 from one joint sum of (s, s^2) (kernels._sums): with the mean
     2.6 standard deviations off zero the joint form is kept with the most cancellation it
     allows (sum(s^2) = 7.8 M2), at 2.9 the kernels recompute M2 over s - mean; one whole
-    block, two blocks (12288), split rows, and the 16K 16-bit block, which keeps the two-pass
-    statistics (config.fwd_joint_stats); 4096 loads its weights ahead (FWD_EARLY_PARAMS)."""
+    block, two blocks (12288), chunks and split rows, whichever the rules give."""
     case = Case(shape=(_rows(n), n), dtype=dtype, offset=offset, seed=11)
     check_case(case, "fn", device="cuda")
 
@@ -379,7 +300,7 @@ def test_gpu_int64_row_offsets():
     torch.testing.assert_close(yt.double(), ref, rtol=2**-7, atol=2**-7)
 
 
-# Rows split over several forward programs (config.fwd_split: rows wider than 64 KB). The
+# Rows split over several forward programs (rows wider than 64 KB). The
 # matrix above already runs 65536-262144 columns through it; these add widths that leave the
 # last part partly empty, the remaining flags, an offset mean (the merge of part statistics),
 # and a comparison with the single-program chunked sweep.
@@ -395,79 +316,68 @@ SPLIT_CASES = {
 }  # fmt: skip
 
 
+def _fwd_plans() -> list:
+    from fused_norm import ops
+
+    return [plan for key, plan in ops._PLANS.items() if key[0] == "fwd"]
+
+
+def _bwd_plans() -> list:
+    from fused_norm import ops
+
+    return [plan for key, plan in ops._PLANS.items() if key[0] == "bwd"]
+
+
+def _fresh_plans():
+    from fused_norm import ops
+
+    ops.clear_plans()  # the plan caches then hold the next calls' plans only
+
+
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_gpu_split_rows_match_reference(name):
     """Split-row forward (and the backward after it) vs the fp64 reference."""
-    from fused_norm import config
-
     case = SPLIT_CASES[name]
-    eb = 4 if case.dtype == FP32 or case.residual_dtype == FP32 else 2
-    assert config.fwd_split(case.shape[-1], eb, torch.device("cuda"))[1] > 1, "not split"
+    _fresh_plans()
     check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
+    assert any(p.split > 1 for p in _fwd_plans()), "not split"
 
 
-def _split_fwd_args(case):
-    """ops.fused_norm_fwd's arguments for ``case`` on the GPU (the masks stored; rowscale and
-    layerscale left out), with random seeds where it drops out."""
+def _public_fwd(case):
+    """Every forward output and mask of ``case`` on the GPU (no graph), the dropout seeds from
+    one generator state."""
     t = make_inputs(case, "cuda")
-    seeds = torch.randint(0, 2**31, (2 * case.shape[0],), device="cuda")
-    x2 = {k: (v.detach() if v is not None else None) for k, v in t.items()}
-    return (x2["x"], x2["weight"], x2["bias"], x2["residual"], x2["x1"], x2["weight1"],
-            x2["bias1"], None, None, seeds if case.dropout_p else None, case.eps,
-            case.dropout_p, case.is_rms_norm, False, case.dtype, case.stream_dtype, True, True)  # fmt: skip
+    torch.manual_seed(case.seed)
+    with torch.no_grad():
+        outs, masks = call_fused(case, t)
+    return {**outs, "mask": masks[0], "mask1": masks[1]}
 
 
 @pytest.mark.parametrize("name", ["ln_odd_offset", "drop_x1_w1_fp32res"])
-def test_gpu_split_rows_match_chunked(name, monkeypatch):
-    """Same inputs through the split rows and through the chunked two-sweep path: the residual
-    stream and the dropout masks are bitwise equal (they do not depend on the statistics), the
-    statistics and outputs agree to fp32 rounding of the merge order."""
-    from fused_norm import config, ops
-
+def test_gpu_split_rows_match_chunked(name):
+    """Same inputs through the split rows and through the chunked two-sweep path (split rows
+    off: heuristics.SPLIT_MIN_BYTES past any row): the residual stream and the dropout masks
+    are bitwise equal (they do not depend on the statistics), the outputs agree to rounding of
+    the merge order."""
     case = SPLIT_CASES[name]
-    args = _split_fwd_args(case)
-    split = ops.fused_norm_fwd(*args)
-    monkeypatch.setattr(config, "FWD_SPLIT_MIN_BYTES", 1 << 40)
-    chunked = ops.fused_norm_fwd(*args)
-    names = ("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
-    for label, a, b in zip(names, split, chunked):
+    _fresh_plans()
+    split = _public_fwd(case)
+    (plan,) = _fwd_plans()
+    assert plan.split > 1
+    with patched_config(SPLIT_MIN_BYTES=1 << 40):
+        chunked = _public_fwd(case)
+        (plan_c,) = _fwd_plans()
+    assert plan_c.split == 1 and plan_c.constexprs["NUM_CHUNKS"] > 1, plan_c
+    same_seeds = plan.seeds_from_key == plan_c.seeds_from_key
+    for label, a in split.items():
+        b = chunked[label]
         if a is None:
             assert b is None, label
         elif label in ("residual_out", "mask", "mask1"):
-            assert_bitwise_equal(label, a, b)
-        elif label in ("mean", "rstd"):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=label)
+            if label == "residual_out" or same_seeds:
+                assert_bitwise_equal(label, a, b)
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2**-7, msg=label)
-
-
-@pytest.mark.parametrize("name", list(SPLIT_CASES))
-def test_gpu_split_rows_with_32_bit_index(name, monkeypatch):
-    """Split rows whose parts count their columns in 32 bits (kernels' PART_I32, the rule on
-    Triton 3.9 and later: config.fwd_split_part_i32) match the fp64 reference, and their
-    forward gives bitwise the outputs of the 64-bit index."""
-    from fused_norm import config, ops
-
-    case = SPLIT_CASES[name]
-    asked = []
-
-    def always(*args, **kwargs):
-        asked.append(args)
-        return True
-
-    monkeypatch.setattr(config, "fwd_split_part_i32", always)
-    check_case(case, "legacy" if case.layerscale else "fn", device="cuda")
-    assert asked, "no split forward asked for its index width"
-    args = _split_fwd_args(case)
-    narrow = ops.fused_norm_fwd(*args)
-    monkeypatch.setattr(config, "fwd_split_part_i32", lambda *args, **kwargs: False)
-    wide = ops.fused_norm_fwd(*args)
-    names = ("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
-    for label, a, b in zip(names, narrow, wide):
-        if a is None:
-            assert b is None, label
-        else:
-            assert_bitwise_equal(label, a, b)
 
 
 def test_gpu_split_rows_many_programs():
@@ -486,28 +396,30 @@ def test_gpu_split_rows_many_programs():
 
 @pytest.mark.parametrize("n, dtype", [(65536, BF16), (100003, BF16), (65536, FP16), (131072, FP16)])
 @pytest.mark.parametrize("is_rms_norm", [False, True])
-@pytest.mark.parametrize("hold", ["measured", True])
+@pytest.mark.parametrize("hold", ["rules", 1, 2])
 @pytest.mark.parametrize("offset", [2.0, 3.0])
-def test_gpu_held_rows_match_fp32_rows_bitwise(n, dtype, is_rms_norm, hold, offset, monkeypatch):
-    """Rows held in registers in 16 bits (config.FWD_HOLD: "measured" holds x in split parts,
-    True also the stored stream) give bitwise the outputs of rows held in fp32, for a norm of
-    x alone and with a residual and prenorm; with the mean 3 standard deviations off zero
-    LayerNorm's parts take M2 again over s - mean, widened from the held values (fp16:
-    kernels._convert_copy, which ptxas must not merge with the first conversion). (At 32K
-    columns holding also changes the layout, one block to split parts: the matrix checks those
-    rows against the reference.)"""
-    from fused_norm import config
-
-    # The same parts either way: holding alone also moves LayerNorm's 16 parts to 2 warps.
-    monkeypatch.setattr(config, "fwd_split_warps", lambda *args: 2)
+def test_gpu_held_rows_match_fp32_rows_bitwise(n, dtype, is_rms_norm, hold, offset):
+    """Split rows held in registers in 16 bits (the plans' HOLD: as the rules give it, which
+    hold x in a norm of x alone; or forced on every split plan, also for the stored stream: 1,
+    kernels' _widen, and for fp16 2, _convert_copy) give bitwise the outputs of the same parts
+    held in fp32 (HOLD 0), for a norm of x alone and with a residual and prenorm; with the
+    mean 3 standard deviations off zero LayerNorm's parts take M2 again over s - mean, widened
+    from the held values (fp16's _convert_copy, which ptxas must not merge with the first
+    conversion). Only HOLD differs between the runs' plans."""
+    if hold == 2 and dtype != FP16:
+        pytest.skip("HOLD 2 is fp16's route")
     for residual in (None, dtype):
         case = Case(shape=(6, n), dtype=dtype, is_rms_norm=is_rms_norm, offset=offset,
                     residual_dtype=residual, prenorm=residual is not None, seed=n)  # fmt: skip
         runs = []
-        for value in (False, hold):
-            monkeypatch.setattr(config, "FWD_HOLD", value)
-            with torch.no_grad():
+        for value in (0, hold):
+            force = patched_config() if value == "rules" else split_constexprs(HOLD=value)
+            with force, torch.no_grad():
                 runs.append(call_fused(case, make_inputs(case, "cuda"))[0])
+                (plan,) = _fwd_plans()
+                assert plan.split > 1, "not split"
+                if value != "rules":
+                    assert plan.constexprs["HOLD"] == value
         assert runs[0].keys() == runs[1].keys()
         for name in runs[0]:
             assert_bitwise_equal(f"{name} (residual {residual})", runs[1][name], runs[0][name])
@@ -523,26 +435,27 @@ def test_gpu_widen_is_exact_for_every_16_bit_pattern(dtype, route):
 
 
 def _smem_plans() -> list:
-    """Whether each backward plan made since the caches were emptied runs smem_kernels'
-    kernel (ops._BwdPlan.layout's ``smem``)."""
-    from fused_norm import ops
-
-    return [plan.layout[3] for plan in ops._BWD_PLANS.values()]
-
-
-def _fresh_plans():
-    from fused_norm import config
-
-    config.settings_changed()  # empties ops' plan caches
+    """Whether each backward plan made since the plans were forgotten runs the Gluon kernel
+    (kernels/hopper.py)."""
+    return [plan.hopper for plan in _bwd_plans()]
 
 
 def _smem_check(case, api="fn"):
     """Check ``case`` on the GPU (check_case) with ops' plan caches emptied first, so that
-    they then hold its plans only; skipped below compute capability 9 (smem_kernels)."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    they then hold its plans only; skipped where the device has no Gluon backward (Hopper's
+    shared memory, and a Triton with Gluon). Returns the backward plans made, each checked
+    to be the one the rules give its row on this device."""
+    from fused_norm import heuristics, ops
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not (heuristics.device(dev).hopper and ops.HOPPER_AVAILABLE):
+        pytest.skip("the Gluon backward needs Hopper's shared memory and a Triton with Gluon")
     _fresh_plans()
     check_case(case, api, device="cuda")
+    rows = [(key[2], plan) for key, plan in ops._PLANS.items() if key[0] == "bwd"]
+    for row, plan in rows:
+        assert plan == heuristics.backward_plan(heuristics.device(dev), row), row
+    return [plan for _, plan in rows]
 
 
 # The flags the smem tests of 16-bit rows draw (in this order, after n).
@@ -559,25 +472,18 @@ SMEM_FLAGS = dict(
     **SMEM_FLAGS,
     rows=st.sampled_from([1, 7, 133, 401]),
 )
-# Both places of partial dW (config.bwd_smem_dw_regs): fp16 weights keep it in shared memory on
-# one-block rows, in registers on 8192 + a tail.
 @example(n=16384, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=133)
 @example(n=12288, dtype=FP16, is_rms_norm=False, zero_centered_weight=False, rows=401)
 def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centered_weight, rows):
-    """The backward that keeps partial dW in shared memory (smem_kernels, chosen by
-    config.bwd_smem_partials for a norm of x alone with a weight and a bias, 16-bit, 10K-16K
-    columns): every gradient against the fp64 reference, one row to several per program, the
-    row held as one block (14336-16384, padded past N) or 8192 + a tail (10256-12288). The
-    test fails if the plan did not take that kernel."""
+    """The Gluon backward (kernels/hopper.py) of a norm of x alone with a weight and a bias,
+    16-bit, 10K-16K columns, whole rows (one block padded past N, or a block and a tail):
+    every gradient against the fp64 reference, one row to several per program. Fails if these
+    rows no longer take the Gluon kernel (pick rows that do)."""
     case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    _smem_check(case)
-    assert _smem_plans() == [True]
-    if dtype == FP16 and n in (12288, 16384):
-        from fused_norm import ops
-
-        (plan,) = ops._BWD_PLANS.values()
-        assert plan.kplan[0]["DW_REGS"] == (n == 12288)
+    plans = _smem_check(case)
+    assert [p.hopper for p in plans] == [True], plans
+    assert plans[0].chunks == 1, "a whole row expected"
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -593,25 +499,16 @@ def test_gpu_smem_backward_matches_reference(n, dtype, is_rms_norm, zero_centere
 def test_gpu_smem_backward_residual_dropout_matches_reference(
     n, dtype, is_rms_norm, zero_centered_weight, rows, dropout_p, prenorm
 ):
-    """smem_kernels' kernel with a residual (its gradient out; in, with prenorm) and x's
-    dropout (the mask regenerated from the seeds as kernels._keep_mask draws it), at the
-    widths it takes them (10K-12K: 8192 + a tail of 4096; 13K-16K: one block, padded past N),
-    with dresidual_out staged (prenorm: partial dW in registers, the weight in shared memory,
-    config.bwd_smem_dw_regs) or not: every gradient against the fp64 reference, which applies
-    the mask the forward returned. The test fails if the plan did not take that kernel."""
+    """The Gluon backward with a residual (its gradient out; in, with prenorm) and x's dropout
+    (the mask regenerated from the seeds as kernels' _keep_mask draws it), at 10K-16K
+    columns, with dresidual_out staged (prenorm) or not: every gradient against the fp64
+    reference, which applies the mask the forward returned. Fails if these rows no longer take
+    the Gluon kernel."""
     case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, dropout_p=dropout_p,
                 prenorm=prenorm, seed=n + rows)  # fmt: skip
-    _smem_check(case)
-    assert _smem_plans() == [True]
-
-
-def _smem_split() -> list:
-    """The slices per row (smem_kernels' SPLIT) of each backward plan made since the caches
-    were emptied; 0 for a plan of kernels.py's backward."""
-    from fused_norm import ops
-
-    return [plan.kplan[0]["SPLIT"] if plan.layout[3] else 0 for plan in ops._BWD_PLANS.values()]
+    plans = _smem_check(case)
+    assert plans and all(p.hopper for p in plans), plans
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -625,16 +522,14 @@ def _smem_split() -> list:
 @example(n=262144, dtype=FP16, is_rms_norm=False, zero_centered_weight=True, rows=7)
 def test_gpu_smem_sliced_backward_matches_reference(n, dtype, is_rms_norm, zero_centered_weight,
                                                     rows):  # fmt: skip
-    """Rows wider than one program of smem_kernels' backward (16-bit, 16K-256K columns; a
-    norm of x alone with a weight and a bias) in slices, one program each, that exchange their
-    partial row sums (config.bwd_smem_slices: 16K-column slices, 2 to 16 of them, with LAG
-    from 3): every gradient against the fp64 reference, one row to several per program.
-    The test fails if the plan did not take the sliced kernel."""
+    """Rows wider than one program of the Gluon backward (16-bit, 32K-256K columns; a norm of
+    x alone with a weight and a bias) in slices, one program each, that exchange their partial
+    row sums: every gradient against the fp64 reference, one row to several per program.
+    Fails if these rows no longer take the sliced kernel."""
     case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    _smem_check(case)
-    (split,) = _smem_split()
-    assert split > 1
+    (plan,) = _smem_check(case)
+    assert plan.hopper and plan.chunks > 1, plan
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -651,14 +546,12 @@ def test_gpu_smem_sliced_backward_matches_reference(n, dtype, is_rms_norm, zero_
 @example(n=16384, residual="fp32", zero_centered_weight=True, rows=300, dropout_p=0.1)
 @example(n=16384, residual="fp32", zero_centered_weight=False, rows=133, dropout_p=0.0)
 def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, rows, dropout_p):
-    """Rows of 4-byte elements in smem_kernels' sliced backward (config.bwd_smem_slices):
-    fp32 LayerNorm alone (16K-128K, 8K-column slices), and with dropout, or dropout + add +
-    LayerNorm with prenorm of fp32 rows or of bf16 rows with an fp32 residual stream
-    (``fp32_stream``), in two slices (16384); other widths take kernels.py's backward. fp32
-    rows with a residual and dropout hold dresidual_out in registers (DRES_REGS) and take 4
-    columns a thread (VEC; config.bwd_smem_fp32_vec); the rest 4 without dropout, 8 with.
-    Every gradient against the fp64 reference; the test fails if the plan is not the one the
-    rules give."""
+    """Rows of 4-byte elements where the Gluon backward may take them in slices: fp32
+    LayerNorm alone, with dropout, or dropout + add + LayerNorm with prenorm of fp32 rows or
+    of bf16 rows with an fp32 residual stream (``fp32_stream``); fp32 rows with a residual and
+    dropout may hold dresidual_out in registers (DRES_REGS) and take 4 columns a thread (VEC).
+    Every gradient against the fp64 reference, whichever backward the rules give (checked to
+    be theirs)."""
     if residual == "none":
         case = Case(shape=(rows, n), dtype=FP32, zero_centered_weight=zero_centered_weight,
                     dropout_p=dropout_p, seed=n + rows)  # fmt: skip
@@ -666,19 +559,11 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
         case = Case(shape=(rows, n), dtype=FP32 if residual == "fp32" else BF16,
                     residual_dtype=FP32, residual_in_fp32=True, dropout_p=dropout_p,
                     prenorm=True, zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    # LayerNorm alone in 8K-column slices (12288 has none); with dropout or a residual in two
-    # slices only.
-    sliced = n == 16384 if residual != "none" or dropout_p > 0.0 else n != 12288
-    _smem_check(case)
-    (split,) = _smem_split()
-    assert (split > 1) == sliced, split
-    if sliced:
-        from fused_norm import ops
-
-        (flags,) = [plan.kplan[0] for plan in ops._BWD_PLANS.values()]
-        dres_regs = residual == "fp32" and dropout_p > 0.0
-        assert flags["DRES_REGS"] == dres_regs, flags
-        assert flags["VEC"] == (4 if dres_regs or dropout_p == 0.0 else 8), flags
+    plans = _smem_check(case)
+    for plan in plans:
+        if plan.hopper:
+            c = plan.constexprs
+            assert c["VEC"] in (4, 8) and (not c["DRES_REGS"] or dropout_p > 0), c
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -696,21 +581,15 @@ def test_gpu_smem_sliced_backward_4byte_rows(n, residual, zero_centered_weight, 
          prenorm=True)  # fmt: skip
 def test_gpu_smem_sliced_backward_x1(n, dtype, is_rms_norm, zero_centered_weight, rows, prenorm):
     """x1's path with its second output (x + x1 + residual, weight1 and bias1; no dropout, so
-    dx1 is dx) in smem_kernels' sliced backward: dy1 staged beside s, dy and (prenorm)
-    dresidual_out, partial dW1 and dB1 in registers, the second weight in shared memory,
-    8K-column slices of 16-bit rows (16K-128K; 12288 has none, 256K would need 32), 20480
-    with prenorm as two slices of 8192 + a 2048 tail (without it they would stage 60 KB of a
-    row). Every gradient against the fp64 reference; the test fails if the plan is not the one
-    the rule gives."""
+    dx1 is dx) where the Gluon backward takes it in slices: dy1 staged beside s, dy and
+    (prenorm) dresidual_out, partial dW1 and dB1 in registers, the second weight in shared
+    memory; slices of a power of two, or (20480 with prenorm) of a block and a tail. Every
+    gradient against the fp64 reference, whichever backward the rules give."""
     case = Case(shape=(rows, n), dtype=dtype, residual_dtype=dtype, has_x1=True, has_w1=True,
                 has_b1=True, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
                 prenorm=prenorm, seed=n + rows)  # fmt: skip
-    _smem_check(case)
-    (split,) = _smem_split()
-    if n == 20480:
-        assert split == (2 if prenorm else 0), split
-    else:
-        assert split == (0 if n in (12288, 262144) else n // 8192), split
+    for plan in _smem_check(case):
+        assert not plan.hopper or plan.chunks > 1 or n <= 16384, plan
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -725,40 +604,28 @@ def test_gpu_smem_sliced_backward_x1(n, dtype, is_rms_norm, zero_centered_weight
 @example(n=16384, stream="fp32_stream", zero_centered_weight=True, rows=300, prenorm=True)
 @example(n=16384, stream="fp32_stream_w32", zero_centered_weight=False, rows=7, prenorm=False)
 def test_gpu_smem_sliced_backward_x1_4byte_rows(n, stream, zero_centered_weight, rows, prenorm):
-    """x1's path with its second output in smem_kernels' sliced backward for rows of 4-byte
-    elements: fp32 rows and weights, or bf16 x and x1 with an fp32 residual stream
-    (``fp32_stream``: dresidual then has a buffer of its own) and bf16 or (``_w32``) fp32
-    weights. The slices (config.bwd_smem_slices: the widest power of two whose staged rows, s,
-    dy, dy1 and with prenorm dresidual_out, fit beside both weights, 2 deep for two slices and 3
-    for more, staging at least 48 KB of a row for x1): fp32 rows 4K columns; the fp32 stream
-    with bf16 weights 8K, but 4K with prenorm in more than two slices; with fp32 weights 4K
-    with prenorm, 8K in two slices without (wider rows: none, kernels.py). Every gradient
-    against the fp64 reference; the test fails if the plan is not that one."""
+    """x1's path with its second output for rows of 4-byte elements: fp32 rows and weights,
+    or bf16 x and x1 with an fp32 residual stream (``fp32_stream``: dresidual then has a
+    buffer of its own) and bf16 or (``_w32``) fp32 weights, in the Gluon backward's slices
+    where the rules give them (the widest power of two whose staged rows fit beside both
+    weights). Every gradient against the fp64 reference, whichever backward runs."""
     dtype = FP32 if stream == "fp32" else BF16
     case = Case(shape=(rows, n), dtype=dtype, residual_dtype=FP32, residual_in_fp32=True,
                 weight_dtype=FP32 if stream != "fp32_stream" else None, has_x1=True,
                 has_w1=True, has_b1=True, prenorm=prenorm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
-    if stream == "fp32" or (prenorm and (n > 16384 or stream == "fp32_stream_w32")):
-        split = n // 4096
-    elif stream == "fp32_stream" or n == 16384:
-        split = n // 8192
-    else:
-        split = 0
-    _smem_check(case)
-    assert _smem_split() == [split]
+    plans = _smem_check(case)
+    if stream == "fp32":  # fp32 rows of x1 at these widths: slices measured to fit
+        assert all(p.hopper and p.chunks > 1 for p in plans), plans
 
 
-# A norm without a bias (one partial) in smem_kernels' backward (config.BWD_SMEM_ONE_PARTIAL):
-# (columns, x's dtype, residual: None, "same" (x's dtype) or "fp32" (an fp32 stream), the
-# slices the rule gives RMSNorm: 0 for kernels.py's backward, 1 for a whole row; LayerNorm
-# takes a whole row of 16384 16-bit columns too).
+# A norm without a bias (one partial) in the Gluon backward: (columns, x's dtype, residual:
+# None, "same" (x's dtype) or "fp32" (an fp32 stream)).
 SMEM_ONE_PARTIAL = [
-    (12288, BF16, None, 1), (14336, FP16, None, 1), (16384, BF16, None, 0),
-    (32768, FP16, None, 2), (131072, BF16, None, 8), (12288, BF16, "same", 1),
-    (16384, FP16, "same", 0), (32768, BF16, "same", 0), (16384, FP32, None, 2),
-    (65536, FP32, None, 8), (131072, FP32, None, 0), (16384, FP32, "fp32", 2),
-    (16384, BF16, "fp32", 2), (12288, BF16, "fp32", 0), (32768, FP32, "fp32", 0),
+    (12288, BF16, None), (14336, FP16, None), (16384, BF16, None), (32768, FP16, None),
+    (131072, BF16, None), (12288, BF16, "same"), (16384, FP16, "same"), (32768, BF16, "same"),
+    (16384, FP32, None), (65536, FP32, None), (131072, FP32, None), (16384, FP32, "fp32"),
+    (16384, BF16, "fp32"), (12288, BF16, "fp32"), (32768, FP32, "fp32"),
 ]  # fmt: skip
 
 # What the tests of a table of layouts draw beside the layout (in this order, after it).
@@ -771,31 +638,25 @@ SMEM_LAYOUT_DRAWS = dict(
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    layout=st.sampled_from(SMEM_ONE_PARTIAL),
-    **SMEM_LAYOUT_DRAWS,
-)
+@given(layout=st.sampled_from(SMEM_ONE_PARTIAL), **SMEM_LAYOUT_DRAWS)
 # Bf16 x with an fp32 stream at 16384 (the benchmark's add + RMSNorm row), fp32 rows in 8
-# slices (LAG), a padded whole row with dropout, LayerNorm's whole 16384.
-@example(layout=(16384, BF16, "fp32", 2), is_rms_norm=True, zero_centered_weight=False,
+# slices, a padded whole row with dropout, LayerNorm's whole 16384.
+@example(layout=(16384, BF16, "fp32"), is_rms_norm=True, zero_centered_weight=False,
          rows=300, dropout_p=0.0)  # fmt: skip
-@example(layout=(65536, FP32, None, 8), is_rms_norm=True, zero_centered_weight=True, rows=133,
+@example(layout=(65536, FP32, None), is_rms_norm=True, zero_centered_weight=True, rows=133,
          dropout_p=0.0)  # fmt: skip
-@example(layout=(14336, BF16, "same", 1), is_rms_norm=False, zero_centered_weight=False,
+@example(layout=(14336, BF16, "same"), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.1)  # fmt: skip
-@example(layout=(16384, BF16, None, 0), is_rms_norm=False, zero_centered_weight=False,
+@example(layout=(16384, BF16, None), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.0)  # fmt: skip
 def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight, rows,
                                        dropout_p):  # fmt: skip
     """A norm without a bias (partial dW only), alone or with a residual (add + norm with
-    prenorm, x's dropout where there is a residual), in smem_kernels' backward where
-    config.bwd_smem_partials takes one partial: whole 16-bit rows (but RMSNorm's full 16384),
-    16-bit rows of x alone in 16K-column slices, 4-byte rows in at most 8 slices (with a
-    residual: 2). Every gradient against the fp64 reference; the test fails if the plan is
-    not the one the rule gives."""
-    n, dtype, residual, split = layout
-    if not is_rms_norm and n == 16384 and dtype != FP32 and residual != "fp32":
-        split = 1  # LayerNorm's whole row
+    prenorm, x's dropout where there is a residual), at widths and dtypes where the Gluon
+    backward may take one partial (whole 16-bit rows, 16-bit rows of x alone in slices, 4-byte
+    rows in slices). Every gradient against the fp64 reference, whichever backward the rules
+    give (checked to be theirs)."""
+    n, dtype, residual = layout
     if residual is None:
         case = Case(shape=(rows, n), dtype=dtype, is_rms_norm=is_rms_norm, has_bias=False,
                     zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
@@ -805,55 +666,42 @@ def test_gpu_smem_backward_one_partial(layout, is_rms_norm, zero_centered_weight
                     residual_in_fp32=residual == "fp32", prenorm=True, dropout_p=dropout_p,
                     zero_centered_weight=zero_centered_weight, seed=n + rows)  # fmt: skip
     _smem_check(case)
-    assert _smem_split() == [split]
 
 
-# 16-bit rows beside fp32 weights (autocast's parameters) in smem_kernels' backward
-# (config.BWD_SMEM_W4_16BIT): (columns, x's dtype, what the call adds to the norm, the slices
-# the rule gives: 0 for kernels.py's backward, 1 for a whole row). "plain": a weight and a
-# bias; "nobias": the weight alone (one partial; RMSNorm's whole 16384 keeps kernels.py's);
-# "residual": add + norm with prenorm, x's dropout drawn; "x1": x1's second output. From 48K
-# columns (the x1 path: from 24K) the slices fit 2 rows deep without LAG, not 3 with it
-# (config.BWD_SMEM_NOLAG_MAX_SPLIT; one partial in at most 4 of them).
+# 16-bit rows beside fp32 weights (autocast's parameters) where the Gluon backward may take
+# them: (columns, x's dtype, what the call adds to the norm). "plain": a weight and a bias;
+# "nobias": the weight alone (one partial); "residual": add + norm with prenorm, x's dropout
+# drawn; "x1": x1's second output.
 SMEM_W4 = [
-    (12288, BF16, "plain", 1), (16384, FP16, "plain", 1), (14336, BF16, "nobias", 1),
-    (16384, BF16, "nobias", 1), (16384, BF16, "residual", 1), (12288, FP16, "residual", 1),
-    (32768, BF16, "plain", 2), (32768, FP16, "nobias", 2), (65536, BF16, "plain", 4),
-    (131072, BF16, "plain", 8), (65536, FP16, "nobias", 4), (131072, BF16, "nobias", 0),
-    (262144, BF16, "plain", 0), (16384, BF16, "x1", 2), (32768, BF16, "x1", 4),
-    (12288, BF16, "x1", 0),
+    (12288, BF16, "plain"), (16384, FP16, "plain"), (14336, BF16, "nobias"),
+    (16384, BF16, "nobias"), (16384, BF16, "residual"), (12288, FP16, "residual"),
+    (32768, BF16, "plain"), (32768, FP16, "nobias"), (65536, BF16, "plain"),
+    (131072, BF16, "plain"), (65536, FP16, "nobias"), (131072, BF16, "nobias"),
+    (262144, BF16, "plain"), (16384, BF16, "x1"), (32768, BF16, "x1"), (12288, BF16, "x1"),
 ]  # fmt: skip
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    layout=st.sampled_from(SMEM_W4),
-    **SMEM_LAYOUT_DRAWS,
-)
-# The fp32 weight in shared memory beside one staged row (16384 with dresidual_out), in
-# registers beside the fp32 partial dW in shared memory (one block), x1's second weight, and
-# slices without LAG.
-@example(layout=(16384, BF16, "residual", 1), is_rms_norm=False, zero_centered_weight=True,
+@given(layout=st.sampled_from(SMEM_W4), **SMEM_LAYOUT_DRAWS)
+# The fp32 weight in shared memory beside one staged row (16384 with dresidual_out), x1's
+# second weight, and many slices.
+@example(layout=(16384, BF16, "residual"), is_rms_norm=False, zero_centered_weight=True,
          rows=300, dropout_p=0.1)  # fmt: skip
-@example(layout=(16384, FP16, "plain", 1), is_rms_norm=False, zero_centered_weight=False,
+@example(layout=(16384, FP16, "plain"), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.0)  # fmt: skip
-@example(layout=(16384, BF16, "x1", 2), is_rms_norm=False, zero_centered_weight=False,
+@example(layout=(16384, BF16, "x1"), is_rms_norm=False, zero_centered_weight=False,
          rows=133, dropout_p=0.0)  # fmt: skip
-@example(layout=(131072, BF16, "plain", 8), is_rms_norm=False, zero_centered_weight=False,
+@example(layout=(131072, BF16, "plain"), is_rms_norm=False, zero_centered_weight=False,
          rows=7, dropout_p=0.0)  # fmt: skip
-@example(layout=(32768, BF16, "x1", 4), is_rms_norm=False, zero_centered_weight=True,
+@example(layout=(32768, BF16, "x1"), is_rms_norm=False, zero_centered_weight=True,
          rows=300, dropout_p=0.0)  # fmt: skip
 def test_gpu_smem_backward_fp32_weights(layout, is_rms_norm, zero_centered_weight, rows,
                                         dropout_p):  # fmt: skip
-    """16-bit rows with fp32 weights (and biases) in smem_kernels' backward, whole or in
-    slices, where config.bwd_smem_partials takes them as it takes 16-bit weights (and in up to
-    8 slices without LAG where LAG's 3 staged rows do not fit beside the fp32 weight): the
-    weight staged in shared memory as fp32 where partial dW is in registers, held in registers
-    where dW is in shared memory. Every gradient against the fp64 reference; the test fails if
-    the plan is not the one the rule gives."""
-    n, dtype, kind, split = layout
-    if kind == "nobias" and is_rms_norm and n == 16384:
-        split = 0  # RMSNorm's whole 16384 (config.bwd_smem_partials)
+    """16-bit rows with fp32 weights (and biases), whole or in slices, in the Gluon backward
+    where the rules give it (the weight staged in shared memory as fp32 beside the staged
+    rows). Every gradient against the fp64 reference, whichever backward runs (checked to be
+    the rules')."""
+    n, dtype, kind = layout
     extra = {}
     if kind == "nobias":
         extra = dict(has_bias=False)
@@ -864,7 +712,6 @@ def test_gpu_smem_backward_fp32_weights(layout, is_rms_norm, zero_centered_weigh
     case = Case(shape=(rows, n), dtype=dtype, weight_dtype=FP32, is_rms_norm=is_rms_norm,
                 zero_centered_weight=zero_centered_weight, seed=n + rows, **extra)  # fmt: skip
     _smem_check(case)
-    assert _smem_split() == [split]
 
 
 SMEM_LACKS = {
@@ -881,23 +728,23 @@ SMEM_LACKS = {
 
 @pytest.mark.parametrize("name", list(SMEM_LACKS))
 def test_gpu_smem_backward_leaves_what_it_lacks(name):
-    """Calls of the kernel's widths and dtypes with what smem_kernels' kernel does not do
-    (rowscale, layerscale, x1's gradient of its own (dropout), x1's second output without
-    biases) take kernels.py's backward, and
-    match the fp64 reference. Before config.bwd_smem_partials asked for them, rowscale and
-    layerscale took the Gluon kernel, which ignored them (dx without the row's scale; no
-    dlayerscale)."""
+    """Calls of the Gluon kernel's widths and dtypes with what it does not do (rowscale,
+    layerscale, x1's gradient of its own (dropout), x1's second output without biases) take
+    the Triton backward, and match the fp64 reference (a Gluon kernel that ignored them would
+    give dx without the row's scale, or no dlayerscale)."""
     case = SMEM_LACKS[name]
-    _smem_check(case, "legacy" if case.layerscale else "fn")
-    assert _smem_plans() == [False]
+    plans = _smem_check(case, "legacy" if case.layerscale else "fn")
+    assert plans and not any(p.hopper for p in plans), plans
 
 
 def test_gpu_smem_backward_misaligned_rows_take_triton():
-    """Rows whose address is not 16-byte aligned (a view one element in) cannot take the
-    kernel's 16-byte copies: the plan falls back to kernels.py's backward, still correct;
-    the aligned rows of the same shape take smem_kernels'. Gradients bitwise reproducible."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("smem_kernels needs compute capability 9+ (Hopper's shared memory)")
+    """Rows whose address is not 16-byte aligned (a view one element in) cannot take the Gluon
+    kernel's 16-byte copies: the plan falls back to the Triton backward, still correct; the
+    aligned rows of the same shape take the Gluon kernel. Gradients bitwise reproducible."""
+    from fused_norm import heuristics
+
+    if not heuristics.device(torch.device("cuda", torch.cuda.current_device())).hopper:
+        pytest.skip("the Gluon backward needs Hopper's shared memory")
     import fused_norm
 
     n, rows = 12288, 37
@@ -918,7 +765,7 @@ def test_gpu_smem_backward_misaligned_rows_take_triton():
         for a, c in zip(*runs):
             assert torch.equal(a, c), name
         grads[name] = runs[0]
-    # Against the fp64 reference through the shared check for each layout.
+    # Against the fp64 reference.
     ref_x = buf[1:].view(rows, n).double().requires_grad_()
     ref_w, ref_b = (t.detach().double().requires_grad_() for t in (w, b))
     y = torch.nn.functional.layer_norm(ref_x, (n,), ref_w, ref_b, eps=1e-6)
@@ -928,39 +775,113 @@ def test_gpu_smem_backward_misaligned_rows_take_triton():
         assert err < 2e-2, err
 
 
-# The backward's later kernels launch as programmatic dependents (config.bwd_pdl): the pre-pass
-# path's shares' sum and column kernel (16-bit dropout + add + LayerNorm at 128K, in parts; the
-# x1 path at 256K), and the partials' sum after every backward kernel (one-block rows, the
-# shared-memory kernel at 16K). Rows as the benchmark's (2^27 elements), so that the kernels
-# after the pre-pass start while it still runs.
-PDL_CASES = [("drop_add_ln_prenorm", 131072), ("x1_w1", 262144), ("ln", 4096),
+# (flags, N, dtype) rows the Gluon backward takes, each against the Triton backward.
+SMEM_VS_TRITON = [("ln", 12288, BF16), ("ln", 65536, FP16), ("drop_add_ln_prenorm", 16384, BF16),
+                  ("x1_w1", 65536, BF16), ("rms", 16384, FP32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, n, dtype", SMEM_VS_TRITON, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in SMEM_VS_TRITON]
+)
+def test_gpu_smem_backward_matches_triton_backward(flags, n, dtype, monkeypatch):
+    """The same call with the Gluon backward and with the Triton backward
+    (FUSED_NORM_HOPPER=0, read when a plan is made): both match the fp64 reference (three-way
+    rule), their forwards are bitwise equal, and their gradients agree to about an ulp of the
+    dtype (the row sums are added in another order)."""
+    case = _case(flags, n, dtype, rows=257, seed=9)
+    t = make_inputs(case, "cuda")
+    runs = {}
+    for hopper in ("1", "0"):
+        monkeypatch.setenv("FUSED_NORM_HOPPER", hopper)
+        plans = _smem_check(case) if hopper == "1" else None
+        if hopper == "0":
+            _fresh_plans()
+            check_case(case, "fn", device="cuda", t=t)
+            plans = _bwd_plans()
+            assert plans and not any(p.hopper for p in plans), plans
+        else:
+            assert any(p.hopper for p in plans), f"the rules give this row no Gluon: {plans}"
+        runs[hopper] = run_filled(case, t, poison=False)
+    _fresh_plans()
+    for k in runs["1"]:
+        a, b = runs["1"][k], runs["0"][k]
+        if not k.startswith("grad"):
+            assert_bitwise_equal(k, a, b)
+        else:
+            # a few ulps of a 16-bit gradient; fp32 sums over the rows in another order
+            tol = {BF16: 2**-7, FP16: 2**-9, FP32: 1e-4}[a.dtype]
+            scale = b.double().abs().max().item()
+            torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * scale, msg=k)
+
+
+# The backward of wide rows in several kernels (the row-sums pre-pass or exchanging column
+# blocks, the column kernel, the partials' sum) at the benchmark's scale (2^27 elements), and a
+# one-block and a Gluon backward: every output, mask and gradient bitwise the same whether the
+# package's fresh tensors start as zeros or poisoned (a kernel reading what the kernel before
+# it had not yet written, or not at all, would read NaN).
+BIG_CASES = [("drop_add_ln_prenorm", 131072), ("x1_w1", 262144), ("ln", 4096),
              ("drop_add_ln_prenorm", 16384)]  # fmt: skip
 
 
-@pytest.mark.parametrize("flags, n", PDL_CASES, ids=[f"{f}-{n}" for f, n in PDL_CASES])
-def test_gpu_dependent_launches_match_serial_launches(flags, n, monkeypatch):
-    """Every output, mask and gradient bitwise the same with the backward's kernels launched
-    as programmatic dependents (their fresh memory poisoned: a kernel that read the kernel
-    before it too early would read NaN) as with plain launches; and the dependents did launch
-    so (their plans' GDC, Triton's launch_pdl where its launcher says)."""
-    from fused_norm import config, ops
-
+@pytest.mark.parametrize("flags, n", BIG_CASES, ids=[f"{f}-{n}" for f, n in BIG_CASES])
+def test_gpu_backward_kernels_at_scale_read_only_what_they_wrote(flags, n):
     case = _case(flags, n, BF16, rows=(1 << 27) // n, seed=7)
     t = make_inputs(case, "cuda")
-    monkeypatch.setattr(config, "BWD_PDL", False)
-    serial = run_filled(case, t, poison=False)
-    monkeypatch.setattr(config, "BWD_PDL", True)
-    dependent = run_filled(case, t, poison=True)
-    assert serial.keys() == dependent.keys()
-    for k in serial:
-        assert_bitwise_equal(k, serial[k], dependent[k])
-    (plan,) = ops._BWD_PLANS.values()
-    flags_, _, _, sums, red = plan.kplan
-    assert red["GDC"], red
-    if n >= 131072:  # the pre-pass path: all four kernels in a dependent chain
-        assert sums is not None and sums["GDC"] and flags_["GDC"], (sums, flags_)
-    for launcher in (ops._BWD, ops._ADD, ops._RED):
-        for key, (run, _, _) in launcher.cache.items():
-            gdc = dict(zip(launcher.constexpr_names, key[3])).get("GDC")
-            if gdc is not None and hasattr(run, "launch_pdl"):  # (Triton 3.6's CudaLauncher)
-                assert bool(run.launch_pdl) == bool(gdc), (launcher.kernel, key)
+    _fresh_plans()
+    zeros = run_filled(case, t, poison=False)
+    poisoned = run_filled(case, t, poison=True)
+    assert zeros.keys() == poisoned.keys()
+    for k in zeros:
+        assert_bitwise_equal(k, zeros[k], poisoned[k])
+    if n >= 131072:  # wider than any one block: column blocks or slices
+        assert all(p.chunks > 1 for p in _bwd_plans()), _bwd_plans()
+
+
+# Rows whose backward row loop is pipelined (ROW_STAGES > 1) on a GPU: dropout, column blocks,
+# several partials in wide blocks; 16-bit, 4-byte and fp32-weight rows.
+PIPELINED = [("drop_add_ln_prenorm", 4096, BF16), ("drop_add_ln_prenorm", 1024, FP32),
+             ("x1_w1_drop", 2048, BF16), ("drop_add_ln_prenorm_w32", 4096, BF16),
+             ("x1_w1", 8192, BF16), ("ln", 65536, FP32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, n, dtype", PIPELINED, ids=[f"{f}-{n}-{str(d)[6:]}" for f, n, d in PIPELINED]
+)
+def test_gpu_pipeline_bytes_bound_the_compiled_kernel(flags, n, dtype, monkeypatch):
+    """test_plans' lower bound on the shared memory of the backward's pipelined row loop
+    (``_pipeline_bytes``: ROW_STAGES - 1 buffers of each load in the loop) is a lower bound of
+    the kernel as this Triton compiles it: the plan-level check of test_plans stands for the
+    kernel. Each row's Triton backward (FUSED_NORM_HOPPER=0), compiled for its launch."""
+    from test_plans import _pipeline_bytes
+
+    from fused_norm import functional, launch
+
+    if not launch.DIRECT:
+        pytest.skip("the direct launch is off here: no compiled kernel kept to ask")
+    monkeypatch.setenv("FUSED_NORM_HOPPER", "0")
+    case = _case(flags, n, dtype, rows=64, seed=3)
+    _fresh_plans()
+    for _ in range(2):  # the second launch keeps the compiled kernel
+        check_case(case, "fn", device="cuda")
+    checked = 0
+    for call in functional._CALLS.values():
+        for launches in getattr(call, "_bwd", {}).values():
+            if launches.launches is None or launches.plan.hopper:
+                continue
+            bwd = launches.launches[1]
+            c = bwd.constexprs
+            if c["ROW_STAGES"] <= 1 or bwd.compiled is None:
+                continue
+            row = [k[2] for k, p in _bwd_row_plans() if p is launches.plan][0]
+            need = _pipeline_bytes(row, c)
+            assert bwd.compiled.shared >= need, f"{bwd.compiled.shared} bytes < the bound {need}"
+            checked += 1
+    _fresh_plans()
+    if not checked:
+        pytest.skip("no pipelined backward launched for this row on this device")
+
+
+def _bwd_row_plans() -> list:
+    from fused_norm import ops
+
+    return [(key, plan) for key, plan in ops._PLANS.items() if key[0] == "bwd"]

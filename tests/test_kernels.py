@@ -31,14 +31,17 @@ from _helpers import (
     max_block_bytes,
     one_row_per_program,
     patched_config,
+    split_constexprs,
     split_rows,
     tail_blocks,
+    tuned_overrides,
 )
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fused_norm import config
-from fused_norm.kernels import _convert_copy, _widen
+from fused_norm import ops
+from fused_norm.kernels.backward import _sum_partials_kernel
+from fused_norm.kernels.forward import _convert_copy, _widen
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Widths where off-by-one and power-of-two edges live: 1, 2, primes, 2**k - 1, 2**k, 2**k + 1.
@@ -49,17 +52,13 @@ ROWS = (1, 2, 3, 4, 1, 2, 3, 5, 7, 11, 24)
 
 EXAMPLES_FN = 560
 EXAMPLES_TWO_BLOCKS = 120
-EXAMPLES_FOLDED = 20
-EXAMPLES_HELD_ROWS = 20
 EXAMPLES_CHUNKED = 200
 EXAMPLES_SPLIT = 80
 EXAMPLES_HELD = 50
 EXAMPLES_LANE = 50
-EXAMPLES_EARLY = 40
 EXAMPLES_FULL_ROWS = 30
 EXAMPLES_FULL_CHUNKED = 30
 EXAMPLES_FULL_SPLIT = 30
-EXAMPLES_PART_I32 = 15
 EXAMPLES_LEGACY = 150
 EXAMPLES_PARALLEL = 110
 EXAMPLES_FRESH_MEMORY = 40
@@ -122,12 +121,13 @@ LAYOUTS = {
     "one-row": one_row_per_program,
     # Tiles with up to three backward programs: each walks several tiles, the last partly full.
     "tiles-few-programs": lambda: few_programs(3),
-    # One row at a time with LayerNorm's two-pass statistics (config.fwd_joint_stats: a GPU
-    # takes them only for one whole 16K 16-bit block).
-    "one-row-two-pass": lambda: patched_config(
-        FWD_ROWS_PER_PROGRAM=1, BWD_TILE_ROWS=1, fwd_joint_stats=lambda *args: False
-    ),
 }
+
+
+def fwd_plans() -> list:
+    """The forward plans made since the plans were last forgotten (ops.clear_plans: every
+    _helpers context manager forgets them on entry)."""
+    return [plan for key, plan in ops._PLANS.items() if key[0] == "fwd"]
 
 
 @settings(max_examples=EXAMPLES_FN)
@@ -145,56 +145,13 @@ def test_fn_matches_reference(case, layout):
     joint=st.booleans(),
 )
 def test_fn_two_blocks_match_reference(case, joint):
-    """Widths that are not a power of two held as two blocks (config.block_tail), forced at
+    """Widths that are not a power of two held as two blocks (heuristics._tail), forced at
     every width where they are narrower than the padded block (on a GPU only measured widths
     take them, none as narrow as these); test_fn_matches_reference covers the padded block.
-    LayerNorm's backward sums c1, c2 per block in one reduction or two (``joint``: on a GPU
-    the rows of 8192 + at most 2048 columns and, with dropout, 4096 + 1024 take one,
-    config.bwd_joint_row_sums)."""
+    LayerNorm's backward sums c1, c2 per block in one reduction or two (``joint``, the
+    backward's JOINT_ROW_SUMS: heuristics._joint_row_sums decides it on a GPU)."""
     count_example("test_fn_two_blocks_match_reference")
-    with tail_blocks(True), patched_config(bwd_joint_row_sums=lambda *args: joint):
-        check_case(case, "fn")
-
-
-@settings(max_examples=EXAMPLES_FOLDED)
-@given(case=cases("fn", min_n=4), joint=st.booleans())
-def test_folded_row_sums_match_reference(case, joint):
-    """The backward's row sums of one-block rows folded over four repeats of the row before
-    the sum (kernels._fold_repeats), forced for every block of 4 or more columns, one row at a
-    time: RMSNorm's c1 and, where LayerNorm takes two separate sums (``joint`` off), its c1
-    and c2. On a GPU only RMSNorm of x alone at 4096 columns on 4 warps folds, with Triton 3.9
-    (config.bwd_sum_repeats)."""
-    count_example("test_folded_row_sums_match_reference")
-    folded = patched_config(
-        bwd_sum_repeats=lambda block_n, *args: 4 if block_n >= 4 else 1,
-        bwd_joint_row_sums=lambda *args: joint,
-    )
-    with one_row_per_program(), folded:
-        check_case(case, "fn")
-
-
-def held_rows_everywhere() -> patched_config:
-    """config.bwd_recompute answering yes for every backward row it may (one block without a
-    tail, tile, pipeline or exchange), whatever the row, dtype and device: ops still leaves
-    out rows with a second weight (bench/NOTES.md #118)."""
-
-    def held(block_n, num_chunks, tail, tile_rows, stages, exchange, *args):
-        return num_chunks == 1 and not tail and tile_rows == 1 and stages == 1 and not exchange
-
-    return patched_config(bwd_recompute=held)
-
-
-@settings(max_examples=EXAMPLES_HELD_ROWS)
-@given(case=cases("fn"))
-def test_held_backward_rows_match_reference(case):
-    """The backward of one-block rows that holds each row's loaded s, dy and w across its row
-    sums and does the row's maths again after them (kernels._held_again), forced for every
-    row it serves, one row at a time, with every flag (the x1 path's second weight keeps the
-    other kernel): outputs and all grads vs reference. On a GPU only the rows of
-    config.BWD_RECOMPUTE_ROWS hold; the interpreter has no inline PTX, so it checks the maths
-    around the hold."""
-    count_example("test_held_backward_rows_match_reference")
-    with one_row_per_program(), held_rows_everywhere():
+    with tail_blocks(True), patched_config(_joint_row_sums=lambda *args: joint):
         check_case(case, "fn")
 
 
@@ -204,26 +161,28 @@ def test_held_backward_rows_match_reference(case):
      (33, 6, 0.0, True, True)],
 )  # fmt: skip
 def test_row_tile_matches_one_row_per_program(n, rows, dropout_p, has_x1, is_rms_norm):
-    """Narrow rows as one tile of four per program (config.fwd_rows_per_program; the last tile
+    """Narrow rows as one tile of four per program (heuristics.FWD_TILE_ROWS; the last tile
     partly past the last row) against one row per program: the residual stream and the
     dropout masks are bitwise equal (elementwise, and the masks depend on (seed, column)
-    alone), the statistics and outputs agree to rounding (the reductions run in another
-    order)."""
-    from fused_norm import ops
+    alone), the outputs agree to rounding (the reductions run in another order)."""
+    from fused_norm import layer_norm_fn
 
     gen = torch.Generator().manual_seed(n + rows)
     x = torch.randn(rows, n, generator=gen).bfloat16()
     x1 = torch.randn(rows, n, generator=gen).bfloat16() if has_x1 else None
     res = torch.randn(rows, n, generator=gen).bfloat16()
     w, b = torch.randn(n, generator=gen), None if is_rms_norm else torch.randn(n, generator=gen)
-    seeds = torch.randint(0, 2**31, (2 * rows,), generator=gen) if dropout_p else None
-    args = (x, w, b, res, x1, None, None, None, None, seeds, 1e-5, dropout_p, is_rms_norm,
-            False, torch.bfloat16, torch.float32, True, True)  # fmt: skip
     runs = []
     for per_program in (1, 4):
-        with patched_config(FWD_ROWS_PER_PROGRAM=per_program, FWD_ROWS_MAX_N=256):
-            runs.append(ops.fused_norm_fwd(*args))
-    names = ("y", "y1", "residual_out", "mean", "rstd", "mask", "mask1")
+        with patched_config(FWD_TILE_ROWS=per_program), torch.no_grad():
+            torch.manual_seed(rows)  # the same dropout seeds
+            runs.append(layer_norm_fn(
+                x, w, b, residual=res, x1=x1, eps=1e-5, dropout_p=dropout_p, prenorm=True,
+                residual_in_fp32=True, is_rms_norm=is_rms_norm, return_dropout_mask=True,
+            ))  # fmt: skip
+            (plan,) = fwd_plans()
+            assert plan.rows == per_program, plan
+    names = ("y", "residual_out", "mask", "mask1")
     for name, one, tile in zip(names, *runs):
         if one is None:
             assert tile is None, name
@@ -238,7 +197,7 @@ def test_row_tile_matches_one_row_per_program(n, rows, dropout_p, has_x1, is_rms
 def chunked_cases(draw):
     """Cases for the multi-chunk path, with the block cap that forces it: 64 bytes is 16 fp32
     or 32 16-bit columns per chunk, 256 bytes four times that; at most ~8 chunks and 4 rows.
-    The backward's column blocks exchange their row sums (config.BWD_EXCHANGE) or take them
+    The backward's column blocks exchange their row sums (heuristics.EXCHANGE) or take them
     from the pre-pass, with a program per row or two programs' rows in all."""
     block_bytes = draw(st.sampled_from([64, 256]))
     case = draw(cases("fn", max_n=128 if block_bytes == 64 else 320, max_rows=4))
@@ -254,7 +213,7 @@ def test_fn_chunked_matches_reference(arg):
     count_example("test_fn_chunked_matches_reference")
     case, block_bytes, exchange, programs = arg
     # restored on exit, also on failure
-    with max_block_bytes(block_bytes), patched_config(BWD_EXCHANGE=exchange):
+    with max_block_bytes(block_bytes), patched_config(EXCHANGE=exchange):
         if programs is None:
             check_case(case, "fn")
         else:
@@ -274,7 +233,7 @@ def split_cases(draw):
 @settings(max_examples=EXAMPLES_SPLIT)
 @given(arg=split_cases(), api=st.sampled_from(["fn", "fn", "legacy"]))
 def test_split_rows_match_reference(arg, api):
-    """Forward rows split over several programs (config.fwd_split), forced by small parts: 64
+    """Forward rows split over several programs (heuristics._split_plan), forced by small parts: 64
     or 256 bytes. Under the interpreter the first part of each row finds its partners'
     statistics missing and computes them (the bounded wait's fallback); the later parts merge
     the published words."""
@@ -291,7 +250,8 @@ def test_split_rows_match_reference(arg, api):
 @st.composite
 def lane_chunk_cases(draw):
     """Norms of x alone (no residual, x1 or dropout) in 16-bit whose rows pad to 256 columns,
-    with the lane-summed chunks (config.FWD_LANE_CHUNKS) that width gets: 32 or 64 columns."""
+    in chunks of 32 or 64 columns summed per column lane (a tuned table's ``chunk`` entry: the
+    two sweeps over chunks that the rules give only rows wider than one block)."""
     case = draw(cases("fn", min_n=129, max_n=256, max_rows=4))
     case = dataclasses.replace(
         case, dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])), residual_dtype=None,
@@ -304,74 +264,49 @@ def lane_chunk_cases(draw):
 @settings(max_examples=EXAMPLES_LANE)
 @given(arg=lane_chunk_cases())
 def test_lane_chunked_rows_unrolled(arg):
-    """Rows in lane-summed chunks (config.FWD_LANE_CHUNKS) match the reference with their two
-    sweeps unrolled, and give bitwise the outputs of the loop."""
+    """Rows in lane-summed chunks (a table's ``chunk`` and ``unroll``) match the reference with
+    their two sweeps unrolled, and give bitwise the outputs of the loop."""
     count_example("test_lane_chunked_rows_unrolled")
     case, chunk = arg
-    plain, n = ("rms" if case.is_rms_norm else "ln"), case.shape[-1]
+    n = case.shape[-1]
     runs = []
+    t = make_inputs(case)
     for unroll in (True, False):
-        with patched_config(FWD_LANE_CHUNKS={(plain, 256): (chunk, 2, unroll)}):
-            block_n, chunks, _, _, lane = config.fwd_block_layout(n, 2, plain)
-            assert (block_n, chunks) == (chunk, -(-n // chunk)), "not lane-chunked"
-            assert config.fwd_chunk_unroll(lane, chunks) == (chunks if unroll else 1)
-            t = make_inputs(case)
+        with tuned_overrides(fwd={"chunk": chunk, "unroll": unroll}):
             if unroll:
                 outs = check_case(case, "fn", t=t)[0]
             else:
                 with torch.no_grad():
                     outs = call_fused(case, t)[0]
+            (plan,) = fwd_plans()
+            c = plan.constexprs
+            assert (c["BLOCK_N"], c["NUM_CHUNKS"]) == (chunk, -(-n // chunk)), "not lane-chunked"
+            assert c["UNROLL"] == (c["NUM_CHUNKS"] if unroll else 1)
             runs.append({k: v.detach() for k, v in outs.items()})
     for name in runs[0]:
         assert_bitwise_equal(name, runs[0][name], runs[1][name])
 
 
-EARLY_LAYOUTS = {
+FULL_LAYOUTS = {
     "tiles": contextlib.nullcontext,
     "one-row": one_row_per_program,
     "two-blocks": lambda: tail_blocks(True),
 }
 
 
-@settings(max_examples=EXAMPLES_EARLY)
-@given(case=cases("fn", min_n=2), layout=st.sampled_from(list(EARLY_LAYOUTS)))
-def test_early_params_match_reference(case, layout):
-    """One-block rows (and tiles of narrow rows, and two blocks) that load their weights and
-    biases ahead of the statistics (config.fwd_early_params, kernels._load_params) match the
-    reference, every flag drawn, and give bitwise the outputs of the loads after them: only
-    the order of the loads moves."""
-    count_example("test_early_params_match_reference")
-    t = make_inputs(case)
-    with EARLY_LAYOUTS[layout]():
-        with patched_config(fwd_early_params=lambda *args: True):
-            early = check_case(case, "fn", t=t)[0]
-        with patched_config(fwd_early_params=lambda *args: False), torch.no_grad():
-            torch.manual_seed(case.seed)
-            late = call_fused(case, t)[0]
-    for name in late:
-        assert_bitwise_equal(name, early[name].detach(), late[name])
-
-
 @settings(max_examples=EXAMPLES_FULL_ROWS)
-@given(case=cases("fn", min_n=2), layout=st.sampled_from(list(EARLY_LAYOUTS)))
+@given(case=cases("fn", min_n=2), layout=st.sampled_from(list(FULL_LAYOUTS)))
 @example(case=Case(shape=(5, 256), dtype=torch.bfloat16, seed=3), layout="one-row")
 @example(case=Case(shape=(3, 320), dtype=torch.float16, residual_dtype=torch.float32, seed=4),
          layout="two-blocks")  # fmt: skip
 @example(case=Case(shape=(7, 64), dtype=torch.float32, has_x1=True, seed=5), layout="tiles")
 def test_full_rows_match_masked_rows(case, layout):
-    """Rows whose width fills their block(s) take it as a constant (config.fwd_fills_block,
-    FWD_FULL_ROWS, constexpr FULL_ROW: the column masks fold away) and match the reference,
-    every flag drawn; their outputs are bitwise those of the same rows taking the width as a
-    runtime value."""
+    """Rows whose width fills their block(s) take it as a constant (the plans' FULL_ROW: the
+    column masks fold away) and match the reference, every flag drawn; their outputs are
+    bitwise those of the same rows taking the width as a runtime value (a table's
+    ``full_row: False``)."""
     count_example("test_full_rows_match_masked_rows")
-    t = make_inputs(case)
-    with EARLY_LAYOUTS[layout]():
-        full = check_case(case, "fn", t=t)[0]
-        with patched_config(FWD_FULL_ROWS=False), torch.no_grad():
-            torch.manual_seed(case.seed)
-            masked = call_fused(case, t)[0]
-    for name in masked:
-        assert_bitwise_equal(name, full[name].detach(), masked[name])
+    _full_rows_match_masked(case, FULL_LAYOUTS[layout], {}, {"full_row": False}, None)
 
 
 @st.composite
@@ -382,26 +317,24 @@ def full_chunked_cases(draw):
     return dataclasses.replace(case, shape=(*case.shape[:-1], 32 * draw(st.integers(2, 8))))
 
 
-def _full_rows_match_masked(case, layout, full_settings, masked_settings, what):
-    """``case`` under the layout context ``layout``: with ``full_settings`` (config) it matches
-    the reference and some forward took its width as a constant (config.fwd_full_row, asked
-    through a spy); with ``masked_settings`` the same inputs give bitwise the same outputs."""
+def _full_rows_match_masked(case, layout, full, masked, what):
+    """``case`` under the layout context ``layout()`` with the forward's table overrides
+    ``full``: it matches the reference, and (unless ``what`` is None) the forward took its
+    width as a constant (FULL_ROW); with ``masked`` instead the same inputs give bitwise the
+    same outputs, the width a runtime value."""
     t = make_inputs(case)
-    rule, taken = config.fwd_full_row, []
-
-    def full_row(*args):
-        taken.append(rule(*args))
-        return taken[-1]
-
-    with layout:
-        with patched_config(fwd_full_row=full_row, **full_settings):
-            full = check_case(case, "fn", t=t)[0]
-        assert any(taken), f"no {what} took the width as a constant"
-        with patched_config(**masked_settings), torch.no_grad():
-            torch.manual_seed(case.seed)
-            masked = call_fused(case, t)[0]
-    for name in masked:
-        assert_bitwise_equal(name, full[name].detach(), masked[name])
+    with layout(), tuned_overrides(fwd=full):
+        got = check_case(case, "fn", t=t)[0]
+        (plan,) = fwd_plans()
+        if what is not None:
+            assert plan.constexprs["FULL_ROW"], f"the {what} did not take the width as a constant"
+    with layout(), tuned_overrides(fwd=masked), torch.no_grad():
+        torch.manual_seed(case.seed)
+        want = call_fused(case, t)[0]
+        (plan,) = fwd_plans()
+        assert not plan.constexprs["FULL_ROW"], "the masked run took the width as a constant"
+    for name in want:
+        assert_bitwise_equal(name, got[name].detach(), want[name])
 
 
 @settings(max_examples=EXAMPLES_FULL_CHUNKED)
@@ -410,59 +343,24 @@ def _full_rows_match_masked(case, layout, full_settings, masked_settings, what):
                    dropout_p=0.2, prenorm=True, seed=6))  # fmt: skip
 def test_chunked_full_rows_match_masked_rows(case):
     """Chunked rows (a 64-byte block cap) of a whole number of chunks take their width as a
-    constant (config.fwd_full_row, FWD_FULL_CHUNKED_ROWS, kernels._col_mask) and match the
-    reference, every flag drawn; their outputs are bitwise those of the same rows with their
-    chunks' masks."""
+    constant (FULL_ROW, kernels' _col_mask) and match the reference, every flag drawn; their
+    outputs are bitwise those of the same rows with their chunks' masks."""
     count_example("test_chunked_full_rows_match_masked_rows")
-    _full_rows_match_masked(case, max_block_bytes(64), {}, {"FWD_FULL_CHUNKED_ROWS": False},
+    _full_rows_match_masked(case, lambda: max_block_bytes(64), {}, {"full_row": False},
                             "chunked forward")  # fmt: skip
-
-
-class _Everything:
-    """A table that holds every key (config.FWD_FULL_SPLIT_ROWS patched for the tests)."""
-
-    def __contains__(self, key):
-        return True
 
 
 @settings(max_examples=EXAMPLES_FULL_SPLIT)
 @given(case=full_chunked_cases())
 @example(case=Case(shape=(2, 128), dtype=torch.float16, seed=7))
 def test_split_full_rows_match_masked_rows(case):
-    """Split rows (64-byte parts) of whole parts that fold their parts' masks and counts
-    (config.fwd_full_row with every row in FWD_FULL_SPLIT_ROWS, kernels._fwd_split_row's
-    FULL_ROW) match the reference, every flag drawn, and give bitwise the outputs of the
-    same parts with their masks (FWD_FULL_SPLIT_ROWS empty, and no Triton version folding
-    them all: FWD_FULL_SPLIT_FROM)."""
+    """Split rows (64-byte parts) of whole parts that fold their parts' masks and counts (a
+    table's ``full_row: True``, kernels' _fwd_split_row with FULL_ROW) match the reference,
+    every flag drawn, and give bitwise the outputs of the same parts with their masks (the
+    rules' default for split rows)."""
     count_example("test_split_full_rows_match_masked_rows")
-    masked = {"FWD_FULL_SPLIT_ROWS": frozenset(), "FWD_FULL_SPLIT_FROM": (99, 0)}
-    _full_rows_match_masked(case, split_rows(64), {"FWD_FULL_SPLIT_ROWS": _Everything()},
-                            masked, "split forward")  # fmt: skip
-
-
-@settings(max_examples=EXAMPLES_PART_I32)
-@given(case=cases("fn", max_n=320, max_rows=4, min_n=17))
-def test_split_parts_with_32_bit_index_match(case):
-    """Split rows (64-byte parts) whose parts count their columns in 32 bits (kernels'
-    PART_I32, taken on Triton 3.9 and later: config.fwd_split_part_i32) match the reference,
-    every flag drawn, and give bitwise the outputs of the same parts with the 64-bit index."""
-    count_example("test_split_parts_with_32_bit_index_match")
-    t = make_inputs(case)
-    asked = []
-
-    def always(*args, **kwargs):
-        asked.append(args)
-        return True
-
-    with split_rows(64):
-        with patched_config(fwd_split_part_i32=always):
-            narrow = check_case(case, "fn", t=t)[0]
-        assert asked, "no split forward asked for its index width"
-        with patched_config(fwd_split_part_i32=lambda *args, **kwargs: False), torch.no_grad():
-            torch.manual_seed(case.seed)
-            wide = call_fused(case, t)[0]
-    for name in wide:
-        assert_bitwise_equal(name, narrow[name].detach(), wide[name])
+    _full_rows_match_masked(case, lambda: split_rows(64), {"full_row": True}, {},
+                            "split forward")  # fmt: skip
 
 
 @triton.jit
@@ -481,9 +379,9 @@ def widen_kernel(H, OUT, n, N: tl.constexpr, CONVERT: tl.constexpr):
     [(torch.bfloat16, "widen"), (torch.float16, "widen"), (torch.float16, "convert")],
 )
 def test_widen_is_exact_for_every_16_bit_pattern(dtype, route, device):
-    """The held rows' routes back to fp32 (config.FWD_HOLD, config.fwd_hold_route),
-    kernels._widen and, for fp16, kernels._convert_copy, equal ``.to(torch.float32)`` for all
-    65536 bit patterns: zeros, subnormals, infinities (NaNs stay NaN)."""
+    """The held rows' routes back to fp32 (the split plans' HOLD), kernels/forward.py's _widen
+    and, for fp16, _convert_copy, equal ``.to(torch.float32)`` for all 65536 bit patterns:
+    zeros, subnormals, infinities (NaNs stay NaN)."""
     h = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
     out = torch.empty(h.shape, dtype=torch.float32, device=device)
     widen_kernel[(1,)](h, out, h.numel(), h.numel(), route == "convert")
@@ -495,41 +393,42 @@ def test_widen_is_exact_for_every_16_bit_pattern(dtype, route, device):
 
 @st.composite
 def held_cases(draw):
-    """16-bit cases (the residual of x's dtype or fp32) and the split parts' size: 64 or 256
-    bytes (only split rows are held: config.fwd_hold)."""
+    """16-bit cases whose stream is 16-bit too (no residual, or one of x's dtype; no fp32
+    stream, no fp32 output: a held row holds a 16-bit tensor), and the split parts' size: 64
+    or 256 bytes (only split rows are held)."""
     case = draw(cases("fn", max_n=320, max_rows=4, min_n=17))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-    residual = case.residual_dtype
-    if residual is not None and residual != torch.float32:
-        residual = dtype
-    case = dataclasses.replace(case, dtype=dtype, residual_dtype=residual)
+    residual = dtype if case.residual_dtype is not None else None
+    case = dataclasses.replace(case, dtype=dtype, residual_dtype=residual,
+                               residual_in_fp32=False, out_dtype=None)  # fmt: skip
     return case, draw(st.sampled_from([64, 256]))
 
 
 @settings(max_examples=EXAMPLES_HELD)
 @given(arg=held_cases())
-# fp16 LayerNorm, whose route is kernels._convert_copy: x alone with the mean 3 standard
+# fp16 LayerNorm, whose rule's route is _convert_copy: x alone with the mean 3 standard
 # deviations off (the exact M2), without, and the x1 path's stored stream.
 @example(arg=(Case(shape=(3, 300), dtype=torch.float16, offset=3.0, seed=7), 256))
 @example(arg=(Case(shape=(3, 300), dtype=torch.float16, seed=8), 64))
 @example(arg=(Case(shape=(2, 200), dtype=torch.float16, residual_dtype=torch.float16,
                    has_x1=True, prenorm=True, offset=3.0, seed=9), 64))  # fmt: skip
 def test_held_rows_match_fp32_rows_bitwise(arg):
-    """A forward row held in registers as the 16-bit tensor its sum equals (config.FWD_HOLD:
-    x itself, or the stored stream) gives bitwise the outputs, stream and masks of the row
-    held in fp32: the held values widen exactly, by the route config.fwd_hold_route picks
-    (kernels._convert_copy for fp16 LayerNorm) and by kernels._widen's bit route forced for
-    every held row."""
+    """A split forward row held in registers as the 16-bit tensor its sum equals (the plans'
+    HOLD: x itself, or the stored stream) gives bitwise the outputs, stream and masks of the
+    row held in fp32 (HOLD 0): the held values widen exactly, by kernels' _widen (HOLD 1,
+    either 16-bit dtype) and, for fp16, by _convert_copy (HOLD 2), each forced on every split
+    plan (_helpers.split_constexprs)."""
     count_example("test_held_rows_match_fp32_rows_bitwise")
     case, part_bytes = arg
+    holds = (0, 1, 2) if case.dtype == torch.float16 else (0, 1)
     runs = []
-    picked, bit_route = config.fwd_hold_route, lambda kind, is_rms_norm: 1
-    for hold, route in ((False, picked), (True, picked), (True, bit_route)):
+    for hold in holds:
         t = make_inputs(case)
         torch.manual_seed(case.seed)  # the dropout seeds come from torch's generator
-        patch = patched_config(FWD_HOLD=hold, fwd_hold_route=route)
-        with split_rows(part_bytes), patch, torch.no_grad():
+        with split_rows(part_bytes), split_constexprs(HOLD=hold), torch.no_grad():
             runs.append(call_fused(case, t))
+            plans = fwd_plans()
+            assert all(p.constexprs["HOLD"] == (hold if p.split > 1 else 0) for p in plans)
     outs, masks = runs[0]
     for held, held_masks in runs[1:]:
         assert outs.keys() == held.keys()
@@ -645,24 +544,21 @@ def test_legacy_rowscale_layerscale(is_rms_norm, dtype, device):
         (5, 300, 70, 32, 64, 3),
         (4, 9, 300, 256, 16, 1),
         (4, 3, 2500, 1024, 4, 1),
-    ],  # the last: a tile of the few row blocks (PARTIALS_SUM_WIDE)
+    ],  # the last: a tile of the few row blocks
 )
 def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
-    """kernels._sum_partials_kernel: each slab of the backward's fp32 partials summed over its
+    """kernels' _sum_partials_kernel: each slab of the backward's fp32 partials summed over its
     row blocks (a count that is not a multiple of the tile, pipelined or not; widths past the
     last column block) and cast to its own gradient's dtype, as fp64 sums rounded to it are to
     within fp32's summation error."""
-    from fused_norm import ops
-
     torch.manual_seed(partials)
     dev = torch.device(device)
     parts = torch.randn(partials, programs, n, device=dev) * 4
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16)
     grads = [torch.full((n,), float("nan"), dtype=d, device=dev) for d in dtypes[:partials]]
-    ops._RED(
-        (-(-n // block_n), partials), dev, (parts, *grads, *[None] * (5 - partials), programs, n),
-        dict(BLOCK_N=block_n, BLOCK_P=block_p, PARTIALS=partials, STAGES=stages, GDC=False),
-        config.PARTIALS_SUM_WARPS,
+    _sum_partials_kernel[(-(-n // block_n), partials)](
+        parts, *grads, *[None] * (5 - partials), programs, n, BLOCK_N=block_n, BLOCK_P=block_p,
+        PARTIALS=partials, STAGES=stages, num_warps=ops.PARTIALS_SUM_WARPS,
     )  # fmt: skip
     for k, g in enumerate(grads):
         want = parts[k].double().sum(0)
@@ -677,8 +573,8 @@ def test_partials_sum(partials, programs, n, block_n, block_p, stages, device):
 # sums, or after the row-sums pre-pass) and split over several forward programs.
 FRESH_LAYOUTS = {
     **LAYOUTS,
-    "chunked-exchange": lambda: _stacked(max_block_bytes(64), patched_config(BWD_EXCHANGE=True)),
-    "chunked-prepass": lambda: _stacked(max_block_bytes(64), patched_config(BWD_EXCHANGE=False)),
+    "chunked-exchange": lambda: _stacked(max_block_bytes(64), patched_config(EXCHANGE=True)),
+    "chunked-prepass": lambda: _stacked(max_block_bytes(64), patched_config(EXCHANGE=False)),
     "chunked-few-programs": lambda: _stacked(max_block_bytes(256), few_programs(2)),
     "split": lambda: split_rows(64),
 }
@@ -694,8 +590,8 @@ def _stacked(*managers):
 
 @settings(max_examples=EXAMPLES_FRESH_MEMORY)
 @given(case=cases("fn", max_rows=7), layout=st.sampled_from(list(FRESH_LAYOUTS)))
-# The row-sums pre-pass in two parts (16-bit weights, five 64-byte chunks; bench/NOTES.md #84),
-# whose shares a second kernel adds into the fresh row-sums buffer.
+# The row-sums pre-pass (16-bit weights, five 64-byte chunks), whose sums the column blocks then
+# read from the fresh row-sums buffer.
 @example(
     case=Case(shape=(3, 160), dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
               dropout_p=0.1, prenorm=True, seed=1),

@@ -229,3 +229,80 @@ def test_prenorm_chain_in_training(kind, device):
         m.eval()
     h_eval, _ = _chain(fns, [eye] * 3, x0)
     assert not torch.allclose(h_train, h_eval)
+
+
+# ----------------------------------------------------------------------------------------------
+# Constructor arguments and input widths are checked as torch.nn checks them
+# ----------------------------------------------------------------------------------------------
+
+# (argument, bad value, exception): hidden_size, eps and the dropout probability (named p or
+# dropout_p after the module's own parameter).
+BAD_ARGUMENTS = [
+    ("hidden_size", 0, ValueError),
+    ("hidden_size", -3, ValueError),
+    ("hidden_size", 4.0, TypeError),
+    ("hidden_size", "48", TypeError),
+    ("hidden_size", None, TypeError),
+    ("hidden_size", True, TypeError),
+    ("eps", -1e-5, ValueError),
+    ("eps", float("nan"), ValueError),
+    ("eps", float("inf"), ValueError),
+    ("eps", "1e-5", TypeError),
+    ("eps", None, TypeError),
+    ("p", -0.1, ValueError),
+    ("p", 1.0, ValueError),
+    ("p", 1.5, ValueError),
+    ("p", float("nan"), ValueError),
+    ("p", "0.1", TypeError),
+    ("p", None, TypeError),
+]
+
+
+@pytest.mark.parametrize("arg, value, exc", BAD_ARGUMENTS,
+                         ids=[f"{a}={v!r}" for a, v, _ in BAD_ARGUMENTS])  # fmt: skip
+def test_constructor_refuses_bad_arguments(kind, arg, value, exc):
+    """A bad hidden size, eps or dropout probability raises at construction, a TypeError for
+    the wrong type and a ValueError for a value out of range, naming the argument (the
+    dropout probability by the module's own name for it: ``p`` or ``dropout_p``)."""
+    cls, _, _, p_name = MODULES[kind]
+    name = p_name if arg == "p" else arg
+    kwargs = {"hidden_size": H, name: value}
+    with pytest.raises(exc) as info:
+        cls(**kwargs)
+    assert name in str(info.value), f"the {exc.__name__} does not name {name!r}: {info.value}"
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5, 0.999])
+def test_constructor_accepts_valid_probabilities(kind, value):
+    cls, _, _, p_name = MODULES[kind]
+    m = cls(H, **{p_name: value}, eps=0.0)
+    assert getattr(m, p_name) == value and m.eps == 0.0
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("shape", [(3, H + 1), (2, 5, H // 2), (4, 1)],
+                         ids=["wider", "narrower-3d", "one-column"])  # fmt: skip
+def test_wrong_input_width_names_the_hidden_size(kind, shape, backend, device, monkeypatch):
+    """An input whose last dimension is not the module's hidden size raises a ValueError that
+    gives the module's hidden size and the input's shape, not a weight the caller never passed;
+    a non-tensor input is a TypeError."""
+    monkeypatch.setenv("FUSED_NORM_BACKEND", backend)
+    m = _make(kind).to(device)
+    x = torch.randn(*shape, device=device)
+    with pytest.raises(ValueError) as info:
+        _forward(kind, m, x)
+    text = str(info.value)
+    assert str(H) in text and str(tuple(shape)) in text, text
+    assert "weight" not in text, f"the message speaks of the weight: {text}"
+    with pytest.raises(TypeError):
+        _forward(kind, m, [[1.0] * H])
+    # and a good call still works after them
+    y, _ = _forward(kind, m, torch.randn(2, H, device=device))
+    assert y.shape == (2, H)
+
+
+def test_zero_dim_input_is_a_value_error(kind, device):
+    """A 0-d input has no hidden dimension: a ValueError naming the module's hidden size."""
+    m = _make(kind).to(device)
+    with pytest.raises(ValueError, match=str(H)):
+        _forward(kind, m, torch.tensor(1.0, device=device))

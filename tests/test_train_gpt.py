@@ -248,7 +248,9 @@ def diagnose_parity(tmp_path, flags, fused, ref) -> str:
     this process, the fused run again with every plan and compiled-kernel cache of fused_norm
     emptied, and the fused run in a fresh process. Each run is bitwise reproducible on the GPU
     (bench/NOTES.md #82), so whichever of them differs from the first points at the cause."""
-    from fused_norm import config, ops
+    from collections import defaultdict
+
+    from fused_norm import ops
 
     lines = []
 
@@ -261,11 +263,12 @@ def diagnose_parity(tmp_path, flags, fused, ref) -> str:
     note("fused again", run(tmp_path / "f2", *flags, "--norm", "fused")["history"]["train"])
     note("torch again", run(tmp_path / "t2", *flags, "--norm", "torch")["history"]["train"])
     with pytest.MonkeyPatch.context() as mp:
-        for lau in ops.launchers():
-            mp.setattr(lau, "cache", {})
-            mp.setattr(lau, "pending", {})
-        for cache in config.DERIVED_CACHES:
-            cache.clear()
+        ops.clear_plans()  # every plan and call signature
+        for name in ("_fused_norm_fwd_kernel", "_fused_norm_bwd_kernel", "_bwd_row_sums_kernel",
+                     "_sum_partials_kernel", "_bwd_smem_kernel"):  # fmt: skip
+            kernel = getattr(ops, name, None)
+            if hasattr(kernel, "device_caches"):  # Triton's in-memory cache of compiled kernels
+                mp.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
         hist = run(tmp_path / "f3", *flags, "--norm", "fused")["history"]["train"]
     note("fused, caches emptied", hist)
     out = tmp_path / "f4"

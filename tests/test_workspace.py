@@ -21,13 +21,15 @@ from _helpers import (
     check_case,
     few_programs,
     max_block_bytes,
+    patched,
     patched_config,
+    split_constexprs,
     split_rows,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fused_norm import config, layer_norm_fn, ops, workspace
+from fused_norm import layer_norm_fn, ops, rms_norm_fn, workspace
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -64,7 +66,7 @@ def _assert_next_clean(device) -> None:
 @settings(max_examples=12, deadline=None)
 @given(
     rows=st.lists(st.integers(1, 6), min_size=3, max_size=5),
-    n=st.integers(33, 200),
+    n=st.integers(41, 200),
     dtype=st.sampled_from([FP32, BF16]),
     is_rms_norm=st.booleans(),
     prenorm_dropout=st.booleans(),
@@ -72,8 +74,9 @@ def _assert_next_clean(device) -> None:
 def test_calls_in_sequence_reset_each_others_words(rows, n, dtype, is_rms_norm,
                                                    prenorm_dropout):  # fmt: skip
     """Calls of changing row counts (more and fewer words than the call before) through the
-    split forward (64-byte parts) and the backward's exchanging column blocks (64-byte blocks,
-    two programs walking the rows): each call against the fp64 reference, and after each the
+    split forward (64-byte parts) and the backward's exchanging column blocks (32 columns a
+    block, rows wider than a block and a quarter, two programs walking the rows): each call
+    against the fp64 reference, and after each the
     buffers the next calls take hold the fill value wherever the host counts them clean. The
     pairs are made once.
     (On a GPU the backward runs in autograd's device thread, whose pairs are its own: this
@@ -81,7 +84,7 @@ def test_calls_in_sequence_reset_each_others_words(rows, n, dtype, is_rms_norm,
     dev = _device(DEVICE)
     want = {0, -1} if dev.type == "cpu" else {0}
     made = None
-    with split_rows(64), max_block_bytes(64), few_programs(2), patched_config(BWD_EXCHANGE=True):
+    with split_rows(64), max_block_bytes(64), few_programs(2), patched_config(EXCHANGE=True):
         for i, m in enumerate(rows):
             case = Case(
                 shape=(m, n), dtype=dtype, is_rms_norm=is_rms_norm, has_bias=not is_rms_norm,
@@ -89,6 +92,9 @@ def test_calls_in_sequence_reset_each_others_words(rows, n, dtype, is_rms_norm,
                 dropout_p=0.1 if prenorm_dropout else 0.0, seed=1000 * i + m,
             )  # fmt: skip
             check_case(case, "fn", device=DEVICE)
+            plans = [(key[0], plan) for key, plan in ops._PLANS.items()]
+            assert any(d == "fwd" and p.split > 1 for d, p in plans), "not split"
+            assert any(d == "bwd" and p.exchange for d, p in plans), "not exchanging"
             _assert_next_clean(dev)
             pairs = {k: id(p) for k, p in _pairs().items() if k[0] == dev}
             assert want <= {k[2] for k in pairs}, "a launch took no workspace"
@@ -144,7 +150,7 @@ def test_unfinished_launch_gets_a_fresh_pair():
 
 
 def test_off_gives_fresh_buffers_per_call():
-    with patched_config(WS_SELF_CLEARING=False):
+    with patched(workspace, SELF_CLEARING=False):
         ws, ws_next, pair = workspace.take(_device(DEVICE), 5, -1)
     assert pair is None and ws.data_ptr() != ws_next.data_ptr()
     assert ws.numel() >= 5 and torch.all(ws == -1)
@@ -172,63 +178,58 @@ def test_threads_keep_pairs_of_their_own():
 
 class _FakeTake:
     """Stands in for workspace.take: a fresh workspace, and as the next launch's one a buffer
-    of stale words (99) longer than the launch's."""
+    of stale words (99) longer than the launch's; keeps what each launch asked for."""
 
     def __init__(self, dev):
-        self.dev, self.asked, self.next = dev, [], None
+        self.dev, self.asked = dev, {}
 
     def __call__(self, dev, words, fill):
-        self.asked.append((words, fill))
-        self.next = torch.full((words + 9,), 99, dtype=torch.int64, device=self.dev)
-        return torch.full((words,), fill, dtype=torch.int64, device=self.dev), self.next, None
+        nxt = torch.full((words + 9,), 99, dtype=torch.int64, device=self.dev)
+        self.asked.setdefault(fill, []).append((words, nxt))
+        return torch.full((words,), fill, dtype=torch.int64, device=self.dev), nxt, None
 
-    def check(self, fill):
-        """The launch set exactly the words it published to ``fill`` in the next buffer."""
-        assert len(self.asked) == 1 and self.asked[0][1] == fill, self.asked
-        words = self.asked[0][0]
+    def check(self, fill, rows):
+        """One launch took a workspace of ``fill`` for more words than rows, and set exactly
+        the words it published to ``fill`` in the next buffer."""
+        assert len(self.asked.get(fill, ())) == 1, f"fill {fill}: {self.asked.keys()}"
+        words, nxt = self.asked[fill][0]
+        assert words > rows, f"fill {fill}: {words} words for {rows} rows: not exchanging"
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
-        assert torch.all(self.next[:words] == fill) and torch.all(self.next[words:] == 99)
+        assert torch.all(nxt[:words] == fill) and torch.all(nxt[words:] == 99)
 
 
 def test_kernels_set_the_next_workspace_words(monkeypatch):
-    """The split forward and the exchanging backward, by hand: a launch given a next buffer
-    of stale words sets exactly the words it publishes, and no others, to the fill value
-    (and normalises, and differentiates, as ever)."""
+    """The split forward (64-byte parts) and the exchanging backward (64-byte column blocks,
+    two programs walking the rows) of one RMSNorm call: each launch, given a next buffer of
+    stale words, sets exactly the words it publishes, and no others, to the fill value (and
+    normalises, and differentiates, as ever)."""
     dev = _device(DEVICE)
     m, n = 3, 100
-    x = torch.randn(m, n, device=dev)
+    x = torch.randn(m, n, device=dev, requires_grad=True)
     w = torch.ones(n, device=dev)
+    dy = torch.randn(m, n, device=dev)
     fake = _FakeTake(dev)
     monkeypatch.setattr(workspace, "take", fake)
-    with split_rows(64):
-        y, _, _, _, rstd, _, _ = ops.fused_norm_fwd(
-            x, w, None, None, None, None, None, None, None, None, 1e-5, 0.0, True, False,
-            x.dtype, x.dtype, False,
-        )  # fmt: skip
-    assert fake.asked[0][0] > m, f"not a split launch: {fake.asked}"
-    fake.check(0)
-    ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    fake.asked = []
-    dy = torch.randn(m, n, device=dev)
-    with max_block_bytes(64), few_programs(2), patched_config(BWD_EXCHANGE=True):
-        dx = ops.fused_norm_bwd(dy, x, w, None, None, None, None, rstd, is_rms_norm=True)[0]
-    assert fake.asked and fake.asked[0][0] > m, f"no exchange: {fake.asked}"
-    fake.check(-1)
-    xr = x.double().requires_grad_()
+    with split_rows(64), max_block_bytes(64), few_programs(2), patched_config(EXCHANGE=True):
+        y = rms_norm_fn(x, w, None, eps=1e-5)
+        fake.check(0, m)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        fake.check(-1, m)
+    xr = x.detach().double().requires_grad_()
     yr = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y.double(), yr, rtol=1e-5, atol=1e-5)
     (dx_ref,) = torch.autograd.grad(yr, xr, dy.double())
     torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: production widths (split forward parts, smem_kernels' slices), streams, CUDA graphs.
+# GPU: production widths (split forward parts, the Gluon backward's slices), streams, CUDA graphs.
 
 
 def _gpu_case(m, seed, n=131072):
-    """Dropout + add + LayerNorm, prenorm, bf16 at 131072 columns: a split forward and a
-    sliced backward on an H100/H200 (asserted by the callers that need it)."""
+    """Dropout + add + LayerNorm, prenorm, bf16 at 131072 columns: a split forward and an
+    exchanging backward on an H100/H200 (asserted by the callers that need it)."""
     return Case(shape=(m, n), dtype=BF16, residual_dtype=BF16, dropout_p=0.1, prenorm=True,
                 seed=seed)  # fmt: skip
 
@@ -238,9 +239,10 @@ def test_gpu_calls_in_sequence_reset_each_others_words():
     """Row counts that grow and shrink, each call against the fp64 reference (forward in this
     thread, backward in autograd's device thread), the forward's next buffer checked clean."""
     dev = _device("cuda")
-    assert config.fwd_split(131072, 2, dev, dropout=True)[1] > 1, "not split"
     for i, m in enumerate((3, 17, 5, 40, 2)):
         check_case(_gpu_case(m, seed=i), "fn", device="cuda")
+        splits = [p.split for k, p in ops._PLANS.items() if k[0] == "fwd" and k[2].n == 131072]
+        assert splits and max(splits) > 1, "not split"
         _assert_next_clean(dev)
 
 
@@ -248,8 +250,6 @@ def test_gpu_calls_in_sequence_reset_each_others_words():
 def test_gpu_two_streams_interleaved():
     """Calls on two streams issued alternately without synchronising: each stream's pair is
     its own, and every result equals the same call's result run alone."""
-    from fused_norm import layer_norm_fn
-
     dev = "cuda"
     xs = [torch.randn(m, 65536, device=dev, dtype=BF16) for m in (7, 3, 11, 5)]
     w = torch.rand(65536, device=dev, dtype=BF16) + 0.5
@@ -276,8 +276,6 @@ def test_gpu_cuda_graph_replays_with_split_rows():
     times on new data, with eager calls of other row counts on the same stream between
     replays (which take that stream's pairs): every replay against the fp64 reference of its
     inputs and masks, at bf16's tolerance."""
-    from fused_norm import layer_norm_fn
-
     torch.manual_seed(0)
     dev = "cuda"
     m, n = 4, 131072
@@ -330,116 +328,29 @@ def test_gpu_cuda_graph_replays_with_split_rows():
                                            msg=lambda e, k=f"replay {rep}: {name}": f"{k}: {e}")  # fmt: skip
 
 
-def test_rule_keeps_the_fill_for_wide_fp32_rms_rows():
-    """config.fwd_ws_reset through ops' plan: split forwards reset the next workspace, but
-    RMSNorm rows of 4-byte elements wider than 64K columns (where the store cost registers
-    and time, bench/NOTES.md #76) fill a fresh one; the plan of an unsplit row has none."""
-    gpu = torch.device("cuda", 0)
-    bf16, fp32 = torch.bfloat16, torch.float32
-    with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
-
-        def plan(n, dtype, rms, stream=None):
-            return ops._fwd_plan(gpu, n, dtype, dtype, stream, None, stream, not rms, False,
-                                 False, False, False, False, False, rms, False)  # fmt: skip
-
-        for n in (65536, 131072, 262144):
-            assert plan(n, bf16, True).split > 1 and plan(n, bf16, True).ws_reset
-            assert plan(n, bf16, False).ws_reset and plan(n, fp32, False).ws_reset
-            assert plan(n, bf16, True, stream=fp32).ws_reset == (n <= 65536)  # fp32 stream
-            assert plan(n, fp32, True).ws_reset == (n <= 65536)
-        assert plan(4096, bf16, True).split == 1 and not plan(4096, bf16, True).ws_reset
-
-
-def test_sweep_reads_the_forward_plan():
-    """bench/sweep.py's description of the plan a variant ran reads ops' forward plan (a new
-    entry, ws_reset, broke its positional unpacking once; it reads the fields by name now)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import sweep
-
-    dev = torch.device(DEVICE)
-    x = torch.randn(2, 100, device=dev)
-    w = torch.ones(100, device=dev)
-    config.settings_changed()  # ops' plan caches then hold this call's plan only
-    with split_rows(64):
-        ops.fused_norm_fwd(x, w, None, None, None, None, None, None, None, None, 1e-5, 0.0, True,
-                           False, x.dtype, x.dtype, False)  # fmt: skip
-        desc = sweep.plan_desc("fwd", "auto")
-    assert "ws_reset=True" in desc and "x1 " not in desc, desc
-
-
-def test_prefetch_rules_through_the_plans():
-    """config.fwd_ws_prefetch / BWD_SMEM_WS_PREFETCH through ops' plans (bench/NOTES.md #77):
-    a split forward's parts prefetch their row's words on an NVIDIA GPU, but RMSNorm of x alone
-    in more than 32 parts, the x1 path in more than 64 and fp16 LayerNorm 256K with a bias
-    (#108), and no unsplit row or interpreted launch does; the sliced Gluon backward prefetches
-    its row block's words, the whole-row one has none to."""
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    bf16 = torch.bfloat16
-    with patched_config(sm_count=lambda device: 132, split_rows_ok=lambda device: True):
-
-        def fwd(n, dtype, rms, dev=gpu, residual=None, x1=False, bias=True):
-            p = ops._fwd_plan(
-                dev, n, dtype, dtype, residual, dtype if x1 else None, residual, bias and not rms,
-                x1, x1, False, False, False, False, rms, False,
-            )  # fmt: skip
-            return p.split, p.constexprs["WS_PREFETCH"]
-
-        for n in (65536, 131072, 262144):
-            assert fwd(n, bf16, False) == (n // 4096, True)  # LayerNorm: 4K-column parts
-            assert fwd(n, bf16, True, residual=bf16)[1]  # add + RMSNorm
-            split, pre = fwd(n, bf16, True)
-            assert pre == (split <= config.FWD_WS_PREFETCH_RMS_MAX_PARTS), (n, split)
-        assert fwd(131072, FP32, True) == (64, False)  # 4-byte rows: 2K-column parts
-        assert fwd(131072, FP32, False, residual=FP32, x1=True) == (64, True)  # the x1 path
-        assert fwd(262144, BF16, False, residual=FP32, x1=True) == (128, False)
-        assert fwd(262144, BF16, False, residual=BF16, x1=True) == (64, True)
-        # fp16 LayerNorm 256K with a bias takes none (FWD_WS_PREFETCH_SKIP, #108); without a
-        # bias, at 128K or in bf16 it does
-        assert fwd(262144, torch.float16, False) == (64, False)
-        assert fwd(262144, torch.float16, False, bias=False) == (64, True)
-        assert fwd(131072, torch.float16, False)[1] and fwd(262144, bf16, False)[1]
-        with patched_config(FWD_WS_PREFETCH_SKIP=frozenset()):
-            assert fwd(262144, torch.float16, False) == (64, True)
-        assert fwd(4096, bf16, False) == (1, False)  # unsplit: no words
-        assert not fwd(131072, bf16, False, dev=cpu)[1]  # the interpreter: no inline PTX
-        with patched_config(FWD_WS_PREFETCH=False):
-            assert fwd(131072, bf16, False) == (32, False)
-
-        def smem(n, sliced_bytes):  # LayerNorm with a bias, bf16: s and dy staged, 4 B a column
-            return ops.smem_flags(n, 2, False, True, False, sliced_bytes=sliced_bytes)
-
-        assert smem(131072, 4)["WS_PREFETCH"] and smem(131072, 4)["SPLIT"] == 8
-        assert not smem(16384, 0)["WS_PREFETCH"]  # a whole row: no exchange
-        with patched_config(BWD_SMEM_WS_PREFETCH=False):
-            assert not smem(131072, 4)["WS_PREFETCH"]
-
-
 @pytest.mark.gpu
 def test_gpu_prefetch_changes_no_bits():
-    """The L2 prefetches of the exchange words (inline PTX) change no output and no gradient:
-    a split forward and a sliced backward, with them and without, bitwise (no dropout)."""
-    dev = torch.device("cuda")
+    """The split forward's L2 prefetch of its row's exchange words (inline PTX: WS_PREFETCH)
+    changes no output and no gradient: split rows with it and without, bitwise (no dropout),
+    for LayerNorm and RMSNorm."""
     n = 65536
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the sliced Gluon backward runs on Hopper")
-    assert config.fwd_split(n, 2, dev)[1] > 1 and config.bwd_smem_sliced(n, 2), "not exchanging"
-    gen = torch.Generator(device=dev).manual_seed(7)
-    x = torch.randn(24, n, device=dev, dtype=BF16, generator=gen)
-    w = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
-    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(BF16)
-    gy = torch.randn(24, n, device=dev, dtype=BF16, generator=gen)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(24, n, device="cuda", dtype=BF16, generator=gen)
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(BF16)
+    b = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(BF16)
+    gy = torch.randn(24, n, device="cuda", dtype=BF16, generator=gen)
 
     def run(rms):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         y = layer_norm_fn(*leaves, eps=1e-5, is_rms_norm=rms)
+        plans = [p for k, p in ops._PLANS.items() if k[0] == "fwd"]
+        assert plans and all(p.split > 1 for p in plans), "not split"
         return [y.detach()] + list(torch.autograd.grad(y, leaves, gy))
 
     for rms in (False, True):
-        with patched_config(FWD_WS_PREFETCH=False, BWD_SMEM_WS_PREFETCH=False):
-            off = run(rms)
-        on = run(rms)
-        for name, a, c in zip(("y", "dx", "dw", "db"), on, off):
+        runs = []
+        for prefetch in (False, True):
+            with split_constexprs(WS_PREFETCH=prefetch):
+                runs.append(run(rms))
+        for name, a, c in zip(("y", "dx", "dw", "db"), *runs):
             assert torch.equal(a, c), (rms, name)

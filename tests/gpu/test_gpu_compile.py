@@ -1,8 +1,13 @@
 """torch.compile: a pre-norm block of our modules and functional API compiles with
 ``fullgraph=True`` (no graph break), forward and backward match eager, and batch/sequence sizes
-marked dynamic compile once instead of once per shape."""
+marked dynamic compile once instead of once per shape; the compiled graphs launch the fused
+kernels from Inductor's generated code (the launches are ``torch.library.triton_op``s), and
+``mode="reduce-overhead"`` (CUDA graphs) trains a model of the modules."""
 
 from __future__ import annotations
+
+import copy
+import re
 
 import pytest
 import torch
@@ -167,29 +172,42 @@ def test_compile_bf16_activations_fp32_params():
 
 
 def test_ops_registered_with_torch_library():
-    """The kernel launches are torch.library custom ops whose fake implementations pass
-    torch.library.opcheck (schema, fake tensor, AOT dispatch with dynamic shapes)."""
+    """The kernel launches of compiled graphs are torch.library triton_ops (fused_norm::fwd,
+    fused_norm::bwd) that pass torch.library.opcheck (schema, fake tensors, AOT dispatch with
+    dynamic shapes), and compute the reference's y and its gradients."""
     namespace = getattr(torch.ops, "fused_norm", None)
-    fwd = getattr(namespace, "fwd", None)
-    if fwd is None:
-        pytest.fail("torch.ops.fused_norm.fwd is not registered (expected from fused_norm.ops)")
-    op = fwd.default
-    m, n = 48, 256
+    for name in ("fwd", "bwd"):
+        if getattr(namespace, name, None) is None:
+            pytest.fail(f"torch.ops.fused_norm.{name} is not registered (fused_norm.ops)")
+    m, n, eps = 48, 256, 1e-5
     x = torch.randn(m, n, device="cuda")
-    # Build the call by argument name from the registered schema, so a reordering of the
-    # launcher's parameters does not silently feed the wrong tensors.
-    values = {
-        "x": x,
-        "weight": torch.randn(n, device="cuda"),
-        "bias": torch.randn(n, device="cuda"),
-        "y": torch.empty(m, n, device="cuda"),
-        "mean": torch.empty(m, device="cuda"),
-        "rstd": torch.empty(m, device="cuda"),
-        "eps": 1e-5,
-        "dropout_p": 0.0,
-        "is_rms_norm": False,
-        "zero_centered_weight": False,
-    }
+    w, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    fwd = torch.ops.fused_norm.fwd.default
+    # The call by argument name from the registered schema, so that a reordering of the op's
+    # parameters does not silently feed the wrong values.
+    values = dict(x=x, weight=w, bias=b, eps=eps, dropout_p=0.0, is_rms_norm=False,
+                  zero_centered_weight=False, store_residual_out=False, store_mask=False,
+                  out_dtype=torch.float32, residual_dtype=torch.float32)  # fmt: skip
+    kwargs = _by_schema(fwd, values)
+    torch.library.opcheck(fwd, (), kwargs)
+    y, mean, rstd = fwd(**kwargs)  # [y, mean, rstd]: no y1, stream, masks here
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y_ref = F.layer_norm(xr, (n,), wr, br, eps=eps)
+    assert_close(y, y_ref, "y through torch.ops.fused_norm.fwd", atol=1e-4, rtol=1e-4)
+    assert_close(mean, x.mean(-1), "mean", atol=1e-5, rtol=1e-5)
+    dy = torch.randn(m, n, device="cuda")
+    bwd = torch.ops.fused_norm.bwd.default
+    values = dict(s=x, weight=w, bias=b, mean=mean, rstd=rstd, dy=dy, dropout_p=0.0,
+                  is_rms_norm=False, zero_centered_weight=False, x_dtype=torch.float32)  # fmt: skip
+    kwargs = _by_schema(bwd, values)
+    torch.library.opcheck(bwd, (), kwargs)
+    dx, dw, db = bwd(**kwargs)  # [dx, then the gradients of weight and bias]
+    want = torch.autograd.grad(y_ref, (xr, wr, br), dy)
+    for name, got, ref in zip(("dx", "dweight", "dbias"), (dx, dw, db), want):
+        assert_close(got, ref, f"{name} through torch.ops.fused_norm.bwd", atol=1e-4, rtol=1e-4)
+
+
+def _by_schema(op, values: dict) -> dict:
     kwargs = {}
     for arg in op._schema.arguments:
         if arg.name in values:
@@ -197,10 +215,134 @@ def test_ops_registered_with_torch_library():
         elif isinstance(arg.type, torch.OptionalType):
             kwargs[arg.name] = None
         else:
-            pytest.fail(f"fused_norm::fwd has an argument this test does not know: {arg}")
-    torch.library.opcheck(op, (), kwargs)
-    mean = x.mean(-1)
-    rstd = torch.rsqrt(x.var(-1, unbiased=False) + 1e-5)
-    y_ref = (x - mean[:, None]) * rstd[:, None] * values["weight"] + values["bias"]
-    op(**kwargs)
-    assert_close(values["y"], y_ref, "y through torch.ops.fused_norm.fwd", atol=1e-4, rtol=1e-4)
+            pytest.fail(f"{op} has an argument this test does not know: {arg}")
+    return kwargs
+
+
+class TwoLayerPreNorm(nn.Module):
+    """Two pre-norm layers of the modules: DropoutAddRMSNorm (prenorm) opening each layer's
+    residual add, an MLP, and a final RMSNorm over the last sum."""
+
+    def __init__(self, d: int, p: float):
+        super().__init__()
+        self.norms = nn.ModuleList(DropoutAddRMSNorm(d, prenorm=True, p=p) for _ in range(2))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                                nn.Linear(2 * d, d)) for _ in range(2))  # fmt: skip
+        self.norm_f = RMSNorm(d)
+
+    def forward(self, x):
+        h, residual = x, None
+        for norm, mlp in zip(self.norms, self.mlps):
+            h, residual = norm(h, residual)
+            h = mlp(h)
+        return self.norm_f(h, residual)
+
+
+# A call of the op itself in generated code (Python dispatch), as opposed to the kernels that
+# Inductor launches from its own code.
+_OP_CALL = re.compile(r"torch\.ops\.fused_norm\.(fwd|bwd)(\.default)?\(")
+
+
+def test_compiled_modules_launch_the_kernels_from_generated_code():
+    """A two-layer pre-norm model of the modules under torch.compile(fullgraph=True) matches
+    eager in outputs and every gradient, and Inductor's generated code (forward and backward)
+    launches the fused kernels itself: the Triton kernels' names are in it, and no call of
+    torch.ops.fused_norm.* (which would run the op's Python body, dispatch included)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = TwoLayerPreNorm(D, p=0.0).cuda()
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.add_(0.05 * torch.randn_like(prm))
+    params = list(model.parameters())
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 32, D, device="cuda", requires_grad=True)
+    gy = torch.randn(4, 32, D, device="cuda")
+
+    def step(fn):
+        y = fn(x)
+        return y, torch.autograd.grad(y, [x, *params], gy)
+
+    (y_c, grads_c), codes = run_and_get_code(step, compiled)
+    y_e, grads_e = step(model)
+    assert_close_dtype(y_c, y_e, "y", torch.float32)
+    names = ["x"] + [n for n, _ in model.named_parameters()]
+    for name, gc, ge in zip(names, grads_c, grads_e):
+        assert_close_dtype(gc, ge, f"grad {name}", torch.float32)
+    code = "\n".join(codes)
+    assert len(codes) >= 2, f"expected a forward and a backward graph, got {len(codes)}"
+    for kernel in ("_fused_norm_fwd_kernel", "_fused_norm_bwd_kernel", "_sum_partials_kernel"):
+        assert kernel in code, f"{kernel} is not launched from the generated code"
+    calls = _OP_CALL.findall(code)
+    assert not calls, f"the generated code calls the ops through dispatch: {calls}"
+
+
+def _steps(model, opt, batches, mark=False):
+    """Train ``model`` on ``batches`` (x, target); the losses, as floats."""
+    losses = []
+    for x, target in batches:
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_reduce_overhead_trains_like_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA graphs) of the two-layer model trains three
+    steps (forward, backward, SGD) with the losses and parameters of the same steps in eager
+    (dropout 0: the same computation, up to fp32 rounding of the compiled MLP)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    eager = TwoLayerPreNorm(D, p=0.0).cuda()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, mode="reduce-overhead", fullgraph=True)
+    batches = [(torch.randn(8, 16, D, device="cuda"), torch.randn(8, 16, D, device="cuda"))
+               for _ in range(3)]  # fmt: skip
+    lr = 0.05
+    want = _steps(eager, torch.optim.SGD(eager.parameters(), lr=lr), batches)
+    got = _steps(compiled, torch.optim.SGD(twin.parameters(), lr=lr), batches, mark=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-4 * abs(b) + 1e-6, f"step {i}: loss {a} compiled, {b} eager"
+    for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
+        assert_close_dtype(q, p, f"{name} after 3 steps", torch.float32)
+
+
+def test_reduce_overhead_with_dropout_draws_fresh_masks():
+    """Under CUDA graphs with dropout > 0: the model trains three steps (finite losses), and
+    the compiled functional call draws other masks at every replay (the seeds are drawn on the
+    device, not baked into the graph), keeping 1 - p of the elements."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = TwoLayerPreNorm(D, p=0.1).cuda().train()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    batches = [(torch.randn(8, 16, D, device="cuda"), torch.randn(8, 16, D, device="cuda"))
+               for _ in range(3)]  # fmt: skip
+    losses = _steps(compiled, torch.optim.SGD(model.parameters(), lr=0.05), batches, mark=True)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+
+    p = 0.3
+    w = torch.ones(D, device="cuda", requires_grad=True)
+
+    def fn(x):
+        y, mask, _ = layer_norm_fn(x, w, None, dropout_p=p, return_dropout_mask=True)
+        return y, mask
+
+    step = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(64, D, device="cuda", requires_grad=True)
+    masks = []
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        y, mask = step(x)
+        y.sum().backward()
+        masks.append(mask.clone())
+        keep = mask.float().mean().item()
+        assert abs(keep - (1 - p)) < 0.05, f"kept fraction {keep:.3f}, expected {1 - p}"
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2]), (
+        "two steps under CUDA graphs drew the same dropout masks"
+    )

@@ -1,48 +1,56 @@
 """The backward of LayerNorm-type rows held by one program per multiprocessor, or cut into
 slices whose programs exchange their row sums, the rows staged through shared memory: a Gluon
 kernel (Triton's lower-level language, where a kernel allocates and addresses shared memory
-itself; ``triton.experimental.gluon``).
+itself; ``triton.experimental.gluon``). Optional: ``AVAILABLE`` is False where the installed
+Triton has no Gluon, and the Triton backward (backward.py) then serves every row.
 
-Why: the Triton backward (kernels.py) holds its fp32 partial dW and dB in registers. A row of
-16384 16-bit columns with both (LayerNorm with a bias) then needs 128 KB of registers for the
-partials alone, half of an H100/H200 multiprocessor's register file, and the row's own values
-the other half: such rows spilled when held in one program, and were split into column blocks
-that exchange their row sums (bench/NOTES.md #44-#49, #63, #65), at 62-65% of copy. Here one
-program per multiprocessor stages its rows through shared memory with ``cp.async`` (STAGES
-rows in flight), so that registers hold no row: per row, pass 1 reads the staged row for the
-row sums c1, c2, pass 2 reads it again for dx and adds the row's terms to the partials. Partial
-dB is kept in registers; partial dW in shared memory (64 KB at 16384 columns) with the weight
-in registers as fp32, or (DW_REGS, config.bwd_smem_dw_regs: where three rows are staged, and
-for all but fp16 weights of one-block rows) dW in registers with the weight in shared memory as
-stored (#72). Partials are written as the
-Triton kernel writes them (one (programs, N) fp32 slab per gradient), for the same sum kernel.
-A norm without a bias (RMSNorm, or LayerNorm, with HAS_BIAS off: partial dW only) runs here
-too where config.bwd_smem_partials takes one partial (#94).
+Design notes
+------------
+* Why: the Triton backward holds its fp32 partial dW and dB in registers. A row of 16384
+  16-bit columns with both (LayerNorm with a bias) then needs 128 KB of registers for the
+  partials alone, half of an H100/H200 multiprocessor's register file, and the row's own
+  values the other half: such rows spilled when held in one program, and split into column
+  blocks that exchange their row sums they ran at 62-65 % of copy. Here one program per
+  multiprocessor stages its rows through shared memory with ``cp.async`` (STAGES rows in
+  flight), so that registers hold no row: per row, pass 1 reads the staged row for the row
+  sums c1, c2, pass 2 reads it again for dx and adds the row's terms to the partials.
+* Partial dW and dB are kept in registers, the weight in shared memory as stored (read back
+  per row): against dW in shared memory with the weight in registers as fp32 this measured
+  6-9 % faster on whole 16-bit rows of 12288-16384 columns (one row, fp16 at 16384, 2.6 %
+  slower), and it is the only layout of the sliced rows.
+  Partials are written as the Triton backward writes them (one (programs, N) fp32 slab per
+  gradient), for the same sum kernel. A norm without a bias (RMSNorm, or LayerNorm with
+  HAS_BIAS off: partial dW only) runs here too.
+* Rows that do not fit one program (16-bit rows wider than 16384 columns, rows of 4-byte
+  elements) are cut into SPLIT slices, one program each, the SPLIT consecutive programs of a
+  row block taking the same rows: each publishes its slice's partial row sums of a row as one
+  int64 word (common._pack_sums, as the Triton backward's EXCHANGE) and adds the row's SPLIT
+  words once all are there. With LAG (many slices) a program publishes the next row's sums
+  before it waits for this row's, so that the words it waits for came a row earlier and the
+  wait is short. A slice is BLOCK_N columns, or BLOCK_N and a tail of TAIL_N (two slices of a
+  row whose half is no power of two; not with LAG).
+* With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored
+  as dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in,
+  staged with s and dy and added in pass 2 (or, DRES_REGS, loaded a row ahead into
+  registers: fp32 rows with dropout, whose shared memory then has room to move the
+  keep-decisions to 4 columns a thread); with dropout dx is ds through x's keep-mask,
+  regenerated from the row's seed by the same Philox draws as the Triton kernels' (common's
+  _octet_bits and _keeps, called from here). x1's second output (HAS_W1: y1 from weight1 and
+  bias1, in slices) adds dy1, staged with the rest, to the row's terms (wdy = w * dy + w1 *
+  dy1) and its partials dW1, dB1 (registers, the second weight in shared memory); x1's
+  gradient is then dx. What the kernel does not do (x1's dropout, rowscale, layerscale) stays
+  with the Triton backward.
+* Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
+  ``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
+  resolved here. There is no Gluon under the CPU interpreter: the host chooses this kernel
+  only for CUDA devices, and the GPU tests check it against the reference.
 
-Rows that do not fit one program (16-bit rows wider than 16384 columns, rows of 4-byte elements;
-config.bwd_smem_slices) are cut into SPLIT slices, one program each, the SPLIT consecutive
-programs of a row block taking the same rows: each publishes its slice's partial row sums of a
-row as one int64 word (kernels._pack_sums, as kernels.py's EXCHANGE) and adds the row's SPLIT
-words once all are there; partial dW is kept in registers, the weight in shared memory. With
-LAG (many slices) a program publishes the next row's sums before it waits for this row's, so
-that the words it waits for came a row earlier (#74). A slice is BLOCK_N columns, or BLOCK_N
-and a tail of TAIL_N (two slices of a row whose half is no power of two; not with LAG).
-
-With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored as
-dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in, staged
-with s and dy and added in pass 2 (or, DRES_REGS, loaded a row ahead into registers: fp32
-rows with dropout, whose shared memory then has room to move the keep-decisions to 4 columns
-a thread, #92); with dropout dx is ds through x's keep-mask, regenerated from the row's seed
-by the same Philox draws as kernels.py's (its _octet_bits and _keeps, called from here).
-x1's second output (HAS_W1: y1 from weight1 and bias1, in slices) adds dy1, staged with the
-rest, to the row's terms (wdy = w * dy + w1 * dy1) and its partials dW1, dB1 (registers, the
-second weight in shared memory); x1's gradient is then dx (#75). What the kernel does not do
-(x1's dropout, rowscale, layerscale) stays with kernels.py (config.bwd_smem_partials).
-
-Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
-``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
-resolved here. There is no Gluon under the CPU interpreter: config.bwd_smem_partials only
-chooses this kernel for CUDA devices, and the GPU tests check it against the reference.
+The maths (per row, fp32; ``mean`` 0 for RMSNorm, ``c2`` unused there):
+    xhat = (s - mean) * rstd,  wdy = w * dy (+ w1 * dy1)
+    c1 = sum(xhat * wdy) / N,  c2 = sum(wdy) / N   (summed over the slices' words with SPLIT > 1)
+    ds = (wdy - (xhat * c1 + c2)) * rstd   (RMSNorm: (wdy - xhat * c1) * rstd)  + dresidual_out
+    dresidual = ds,  dx = ds * keep / (1 - p)
+    dW += dy * xhat,  dB += dy,  dW1 += dy1 * xhat,  dB1 += dy1
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ if AVAILABLE:
     AVAILABLE = _barrier is not None and _async_load is not None
 
 if AVAILABLE:
-    from .kernels import _keeps, _octet_bits, _pack_sums, _prefetch_l2
+    from .common import _keeps, _octet_bits, _pack_sums
 
     @gluon.jit
     def _stage(PTR, buf, tbuf, slot, r, live, cols, tcols, N, stride_row, TAIL_N: gl.constexpr):
@@ -94,23 +102,19 @@ if AVAILABLE:
 
     @gluon.jit
     def _part_terms(s_buf, dy_buf, y1_buf, slot, layout: gl.constexpr, w, w1, mean, rstd,
-                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
-                    HAS_W1: gl.constexpr):  # fmt: skip
+                    ZERO_CENTERED_WEIGHT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
         """xhat, dy, dy1 and wdy = w * dy (+ w1 * dy1) of one part (block or tail) of the
         staged row, fp32; ``w`` (``w1``) the part's weight as _part_setup holds it. Columns
         past N read zeros: dy = dy1 = 0 there, so every term they add is zero."""
         s = s_buf.index(slot).load(layout).to(gl.float32)
         dy = dy_buf.index(slot).load(layout).to(gl.float32)
-        if DW_REGS:  # the weight in shared memory, as stored
-            wf = w.load(layout).to(gl.float32)
-            if ZERO_CENTERED_WEIGHT:
-                wf += 1.0
-        else:
-            wf = w
+        wf = w.load(layout).to(gl.float32)  # the weight in shared memory, as stored
+        if ZERO_CENTERED_WEIGHT:
+            wf += 1.0
         xhat = (s - mean) * rstd
         wdy = wf * dy
         dy1 = dy  # placeholder without a second output
-        if HAS_W1:  # the second weight in shared memory too (DW_REGS)
+        if HAS_W1:  # the second weight in shared memory too
             w1f = w1.load(layout).to(gl.float32)
             if ZERO_CENTERED_WEIGHT:
                 w1f += 1.0
@@ -122,7 +126,7 @@ if AVAILABLE:
     def _keep(SEEDS, row, col0, dropout_p, PART_N: gl.constexpr, VEC: gl.constexpr,
               NUM_WARPS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """The dropout keep-decisions of one part of x's row ``row`` (columns ``col0`` on), as
-        kernels._keep_mask draws them (its _octet_bits and _keeps), in ``layout``. Where a
+        common._keep_mask draws them (its _octet_bits and _keeps), in ``layout``. Where a
         thread's VEC contiguous columns are whole octets, its Philox calls serve its own
         columns; where they are half an octet (VEC 4: fp32 rows, whose 16-byte accesses
         keep shared memory free of bank conflicts), a thread draws whole octets and the
@@ -143,16 +147,14 @@ if AVAILABLE:
                     VEC: gl.constexpr, NUM_WARPS: gl.constexpr, IS_RMS_NORM: gl.constexpr,
                     HAS_BIAS: gl.constexpr, HAS_DRESIDUAL_OUT: gl.constexpr,
                     STORE_DRESIDUAL: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
-                    HAS_W1: gl.constexpr, HAS_B1: gl.constexpr,
-                    DRES_REGS: gl.constexpr):  # fmt: skip
+                    ZERO_CENTERED_WEIGHT: gl.constexpr, HAS_W1: gl.constexpr,
+                    HAS_B1: gl.constexpr, DRES_REGS: gl.constexpr):  # fmt: skip
         """Store one part's input gradients (dresidual = ds, the gradient of the pre-norm
         sum, with the row's dresidual_out added from its staged row or, with DRES_REGS, from
-        ``dres``, and dx: ds through dropout) and add its terms to the partials (dW in shared
-        memory, private to each thread by the layout, or with DW_REGS in registers; dB, and
-        the second output's dW1 and dB1, in registers); returns (dW, dB, dW1, dB1)."""
+        ``dres``, and dx: ds through dropout) and add its terms to the partials dW, dB and
+        the second output's dW1 and dB1 (registers); returns (dW, dB, dW1, dB1)."""
         xhat, dy, dy1, wdy = _part_terms(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean,
-                                         rstd, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
+                                         rstd, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
         if IS_RMS_NORM:
             ds = (wdy - xhat * c1) * rstd
         else:
@@ -170,10 +172,7 @@ if AVAILABLE:
             keep = _keep(SEEDS, row, col0, dropout_p, PART_N, VEC, NUM_WARPS, layout)
             dx = gl.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
         gl.store(DX + r * stride_dx_row + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
-        if DW_REGS:
-            dw_acc += dy * xhat
-        else:
-            dw_acc.store(dw_acc.load(layout) + dy * xhat)
+        dw_acc += dy * xhat
         if HAS_BIAS:
             db += dy
         if HAS_W1:
@@ -191,25 +190,14 @@ if AVAILABLE:
         return vals.to(gl.float32)
 
     @gluon.jit
-    def _weight(W, cols, N, ZERO_CENTERED_WEIGHT: gl.constexpr):
-        """One part's weight, fp32, zero past N."""
-        w = gl.load(W + cols, mask=cols < N, other=0.0).to(gl.float32)
-        if ZERO_CENTERED_WEIGHT:
-            w = gl.where(cols < N, w + 1.0, 0.0)
-        return w
-
-    @gluon.jit
     def _part_setup(S, DY, DRES_OUT, DY1, W, W1, col0, PART_N: gl.constexpr,
                     layout: gl.constexpr, N, STAGES: gl.constexpr,
-                    HAS_DRESIDUAL_OUT: gl.constexpr, DW_REGS: gl.constexpr,
-                    ZERO_CENTERED_WEIGHT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
+                    HAS_DRESIDUAL_OUT: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
         """One part's columns (``col0`` on), its staging buffers of s, dy, (with
         HAS_DRESIDUAL_OUT) dresidual_out and (with HAS_W1) dy1, s's buffer standing in for
-        those absent (never read), its zeroed partial dW, its zeroed partial dB (registers) and
-        its weight: dW in shared memory and the weight in registers (fp32), or with DW_REGS dW
-        in registers and the weight in shared memory as stored (zero past N); with HAS_W1 the
-        second output's zeroed partials dW1, dB1 (registers) and weight (shared memory, as
-        the first with DW_REGS)."""
+        those absent (never read), its zeroed partials dW and dB (registers) and its weight
+        in shared memory as stored (zero past N); with HAS_W1 the second output's zeroed
+        partials dW1, dB1 (registers) and weight (shared memory, as the first)."""
         shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         cols = col0 + gl.arange(0, PART_N, layout=layout)
         s_buf = gl.allocate_shared_memory(S.dtype.element_ty, [STAGES, PART_N], shared)
@@ -219,18 +207,11 @@ if AVAILABLE:
             r_buf = gl.allocate_shared_memory(DRES_OUT.dtype.element_ty, [STAGES, PART_N], shared)
         y1_buf = s_buf
         if HAS_W1:
-            gl.static_assert(DW_REGS, "a second output: the weights in shared memory")
             y1_buf = gl.allocate_shared_memory(DY1.dtype.element_ty, [STAGES, PART_N], shared)
-        if DW_REGS:
-            dw_acc = gl.zeros([PART_N], gl.float32, layout)
-            wf = gl.allocate_shared_memory(
-                W.dtype.element_ty, [PART_N], shared, gl.load(W + cols, mask=cols < N, other=0.0)
-            )
-        else:
-            dw_acc = gl.allocate_shared_memory(
-                gl.float32, [PART_N], shared, gl.zeros([PART_N], gl.float32, layout)
-            )
-            wf = _weight(W, cols, N, ZERO_CENTERED_WEIGHT)
+        dw_acc = gl.zeros([PART_N], gl.float32, layout)
+        wf = gl.allocate_shared_memory(
+            W.dtype.element_ty, [PART_N], shared, gl.load(W + cols, mask=cols < N, other=0.0)
+        )
         db = gl.zeros([PART_N], gl.float32, layout)
         w1f = wf  # placeholder without a second output
         if HAS_W1:
@@ -242,16 +223,11 @@ if AVAILABLE:
         return cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f
 
     @gluon.jit
-    def _store_part_partials(part, slab, cols, N, dw_acc, db, dw1, db1, layout: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, DW_REGS: gl.constexpr, HAS_W1: gl.constexpr,
-                             HAS_B1: gl.constexpr):  # fmt: skip
-        """One part's partial dW (from shared memory, or registers), dB, dW1 and dB1 into the
-        program's rows of their slabs, in that order (``part``: the program's row of the
-        first; ``slab``: elements apart)."""
-        if DW_REGS:
-            gl.store(part + cols, dw_acc, mask=cols < N)
-        else:
-            gl.store(part + cols, dw_acc.load(layout), mask=cols < N)
+    def _store_part_partials(part, slab, cols, N, dw_acc, db, dw1, db1, HAS_BIAS: gl.constexpr,
+                             HAS_W1: gl.constexpr, HAS_B1: gl.constexpr):  # fmt: skip
+        """One part's partial dW, dB, dW1 and dB1 into the program's rows of their slabs, in
+        that order (``part``: the program's row of the first; ``slab``: elements apart)."""
+        gl.store(part + cols, dw_acc, mask=cols < N)
         if HAS_BIAS:
             gl.store(part + slab + cols, db, mask=cols < N)
         if HAS_W1:
@@ -262,24 +238,10 @@ if AVAILABLE:
     @gluon.jit
     def _publish_sums(WS, WS_NEXT, row, p1, p2, part, SPLIT: gl.constexpr):
         """Publish this program's (slice ``part``) partial row sums p1, p2 of ``row`` as one
-        word (kernels._pack_sums) in WS[row, part], and set the same word of the next sliced
+        word (common._pack_sums) in WS[row, part], and set the same word of the next sliced
         launch's workspace, WS_NEXT, to -1 for it (workspace.py)."""
         gl.atomic_xchg(WS + row * SPLIT + part, _pack_sums(p1, p2), sem="relaxed")
         gl.store(WS_NEXT + row * SPLIT + part, -1)
-
-    @gluon.jit
-    def _prefetch_words(WS, first, count, part, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """Ask L2 for the 128-byte lines of ``count`` int64 words from WS + first, a row
-        block's exchange words, which the launch before left cold (config.BWD_SMEM_WS_PREFETCH):
-        the block's SPLIT programs share the lines (``part`` takes every SPLIT-th), a thread a
-        line, at most 32 * NUM_WARPS each, one predicated ``prefetch.global.L2::evict_last``
-        each (kept in L2 until the last row's exchange)."""
-        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        line = gl.arange(0, 32 * NUM_WARPS, layout=lanes) * SPLIT + part
-        n_lines = (count + 15) // 16
-        live = (line < n_lines).to(gl.int32)
-        ptrs = WS + first + gl.minimum(line, gl.maximum(n_lines, 1) - 1).to(gl.int64) * 16
-        _prefetch_l2(ptrs, live, True)
 
     @gluon.jit
     def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -302,13 +264,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _slice_sums(s_buf, dy_buf, y1_buf, slot, layout: gl.constexpr, wf, w1f, mean, rstd,
-                    DW_REGS: gl.constexpr, ZERO_CENTERED_WEIGHT: gl.constexpr,
-                    IS_RMS_NORM: gl.constexpr, HAS_W1: gl.constexpr):  # fmt: skip
+                    ZERO_CENTERED_WEIGHT: gl.constexpr, IS_RMS_NORM: gl.constexpr,
+                    HAS_W1: gl.constexpr):  # fmt: skip
         """A part's partial row sums (sum(xhat * wdy), sum(wdy)) of the staged row in ``slot``
         (a slice, a block or a tail); RMSNorm has no second: the first fills its place
         (unread)."""
         xhat, dy, dy1, wdy = _part_terms(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean,
-                                         rstd, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
+                                         rstd, ZERO_CENTERED_WEIGHT, HAS_W1)  # fmt: skip
         p1 = gl.sum(xhat * wdy, axis=0)
         p2 = p1
         if not IS_RMS_NORM:
@@ -353,9 +315,9 @@ if AVAILABLE:
         WS_NEXT,   # SPLIT > 1: the next sliced launch's workspace: published words set to -1 there
         stride_s_row, stride_dy_row, stride_dy1_row, stride_dres_out_row, stride_dx_row,
         stride_dres_row, stride_part,
-        M, N,
-        rows_per_program,
-        dropout_p,
+        M, N,      # rows, columns
+        rows_per_program,  # contiguous rows owned by each row block (its SPLIT programs)
+        dropout_p,  # drop probability (if HAS_DROPOUT)
         BLOCK_N: gl.constexpr,       # columns of the first part (a power of two)
         TAIL_N: gl.constexpr,        # columns of a second part after BLOCK_N (0: none)
         IS_RMS_NORM: gl.constexpr,
@@ -364,7 +326,6 @@ if AVAILABLE:
         STORE_DRESIDUAL: gl.constexpr,
         HAS_DROPOUT: gl.constexpr,
         ZERO_CENTERED_WEIGHT: gl.constexpr,
-        DW_REGS: gl.constexpr,       # partial dW in registers, the weight in shared memory
         STAGES: gl.constexpr,        # rows staged in shared memory (>= 2)
         VEC: gl.constexpr,           # contiguous elements per thread in the first part
         TAIL_VEC: gl.constexpr,      # and in the tail (1 where there is none)
@@ -372,19 +333,18 @@ if AVAILABLE:
         SPLIT: gl.constexpr = 1,     # programs per row, one slice of BLOCK_N + TAIL_N columns each
         SPLIT_P2: gl.constexpr = 1,  # SPLIT rounded up to a power of two
         LAG: gl.constexpr = False,   # SPLIT > 1: the row sums published a row ahead
-        HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path (DW_REGS)
+        HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path
         HAS_B1: gl.constexpr = False,
-        WS_PREFETCH: gl.constexpr = False,  # SPLIT > 1: the block's words asked of L2 first
         DRES_REGS: gl.constexpr = False,  # dresidual_out a row ahead in registers, not staged
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
-        # the same columns, so the partials in shared memory are private to a thread.
+        # the same columns.
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         tail_layout: gl.constexpr = gl.BlockedLayout([TAIL_VEC], [32], [NUM_WARPS], [0])
         # With SPLIT > 1 the SPLIT consecutive programs of a row block take one slice of its
         # rows each and exchange their partial row sums (_publish_sums, _wait_sums); they wait
         # only on each other, and with one program per SM and a grid of at most one per SM
-        # (ops), all are resident at once.
+        # (the host's grid), all are resident at once.
         gl.static_assert(not LAG or TAIL_N == 0, "LAG: slices without a tail")
         gl.static_assert(not DRES_REGS or (HAS_DRESIDUAL_OUT and TAIL_N == 0),
                          "DRES_REGS: a residual gradient in, rows without a tail")  # fmt: skip
@@ -396,13 +356,12 @@ if AVAILABLE:
         row_start = blk.to(gl.int64) * rows_per_program
         row_end = gl.minimum(row_start + rows_per_program, M)
         cols, s_buf, dy_buf, r_buf, y1_buf, dw_acc, db, dw1, db1, wf, w1f = _part_setup(
-            S, DY, DRES_OUT, DY1, W, W1, col0, BLOCK_N, layout, N, STAGES, STAGE_DRES,
-            DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
+            S, DY, DRES_OUT, DY1, W, W1, col0, BLOCK_N, layout, N, STAGES, STAGE_DRES, HAS_W1,
         )  # fmt: skip
         if TAIL_N > 0:
             tcols, ts_buf, tdy_buf, tr_buf, ty1_buf, tdw_acc, tdb, tdw1, tdb1, twf, tw1f = _part_setup(
                 S, DY, DRES_OUT, DY1, W, W1, col0 + BLOCK_N, TAIL_N, tail_layout, N, STAGES,
-                STAGE_DRES, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1,
+                STAGE_DRES, HAS_W1,
             )  # fmt: skip
         else:  # placeholders, never read
             tcols, ts_buf, tdy_buf, tr_buf, ty1_buf = cols, s_buf, dy_buf, r_buf, y1_buf
@@ -411,9 +370,6 @@ if AVAILABLE:
                        tr_buf, ty1_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
                        stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
                        STAGE_DRES, HAS_W1)  # fmt: skip
-        if WS_PREFETCH:
-            _prefetch_words(WS, row_start * SPLIT, (row_end - row_start) * SPLIT, part, SPLIT,
-                            NUM_WARPS)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
         dres = db  # placeholder without DRES_REGS
         if DRES_REGS:
@@ -431,7 +387,7 @@ if AVAILABLE:
             _barrier()
             if row_start < row_end:
                 p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, 0, layout, wf, w1f, mean, rstd,
-                                     DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
+                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                 _publish_sums(WS, WS_NEXT, row_start, p1, p2, part, SPLIT)
         for row in range(row_start, row_end):
             i = (row - row_start).to(gl.int32)
@@ -446,8 +402,8 @@ if AVAILABLE:
                 _barrier()
                 if row + 1 < row_end:
                     p1, p2 = _slice_sums(s_buf, dy_buf, y1_buf, (i + 1) % STAGES, layout, wf,
-                                         w1f, mean_next, rstd_next, DW_REGS,
-                                         ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
+                                         w1f, mean_next, rstd_next, ZERO_CENTERED_WEIGHT,
+                                         IS_RMS_NORM, HAS_W1)  # fmt: skip
                     _publish_sums(WS, WS_NEXT, row + 1, p1, p2, part, SPLIT)
                 c1, c2 = _wait_sums(WS, row, SPLIT, SPLIT_P2, NUM_WARPS)
                 slot = i % STAGES
@@ -457,10 +413,10 @@ if AVAILABLE:
                 slot = i % STAGES
                 # Pass 1: the row sums c1 = sum(xhat * wdy) / N, c2 = sum(wdy) / N.
                 c1, c2 = _slice_sums(s_buf, dy_buf, y1_buf, slot, layout, wf, w1f, mean, rstd,
-                                     DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
+                                     ZERO_CENTERED_WEIGHT, IS_RMS_NORM, HAS_W1)  # fmt: skip
                 if TAIL_N > 0:
                     t1, t2 = _slice_sums(ts_buf, tdy_buf, ty1_buf, slot, tail_layout, twf, tw1f,
-                                         mean, rstd, DW_REGS, ZERO_CENTERED_WEIGHT, IS_RMS_NORM,
+                                         mean, rstd, ZERO_CENTERED_WEIGHT, IS_RMS_NORM,
                                          HAS_W1)  # fmt: skip
                     c1 += t1
                     c2 += t2
@@ -477,8 +433,8 @@ if AVAILABLE:
                 s_buf, dy_buf, r_buf, y1_buf, slot, layout, wf, w1f, mean, rstd, c1, c2, DX,
                 DRES, SEEDS, row, col0, dropout_p, cols, N, stride_dx_row, stride_dres_row,
                 dw_acc, db, dw1, db1, dres, BLOCK_N, VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS,
-                HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT,
-                HAS_W1, HAS_B1, DRES_REGS,
+                HAS_DRESIDUAL_OUT, STORE_DRESIDUAL, HAS_DROPOUT, ZERO_CENTERED_WEIGHT, HAS_W1,
+                HAS_B1, DRES_REGS,
             )  # fmt: skip
             if DRES_REGS:  # the next row's, in flight through the next row's pass 1 and wait
                 dres = _row_regs(DRES_OUT, row + 1, row_end, cols, N, stride_dres_out_row)
@@ -488,8 +444,7 @@ if AVAILABLE:
                     c1, c2, DX, DRES, SEEDS, row, col0 + BLOCK_N, dropout_p, tcols, N,
                     stride_dx_row, stride_dres_row, tdw_acc, tdb, tdw1, tdb1, tdb, TAIL_N,
                     TAIL_VEC, NUM_WARPS, IS_RMS_NORM, HAS_BIAS, HAS_DRESIDUAL_OUT,
-                    STORE_DRESIDUAL, HAS_DROPOUT, DW_REGS, ZERO_CENTERED_WEIGHT, HAS_W1, HAS_B1,
-                    False,
+                    STORE_DRESIDUAL, HAS_DROPOUT, ZERO_CENTERED_WEIGHT, HAS_W1, HAS_B1, False,
                 )  # fmt: skip
             _barrier()  # every thread is done with this slot before it is staged again
             rstd = rstd_next
@@ -497,8 +452,8 @@ if AVAILABLE:
         _async_copy.wait_group(0)
         dst = PARTS + blk.to(gl.int64) * N
         slab = gl.cast(stride_part, gl.int64)
-        _store_part_partials(dst, slab, cols, N, dw_acc, db, dw1, db1, layout, HAS_BIAS, DW_REGS,
-                             HAS_W1, HAS_B1)  # fmt: skip
+        _store_part_partials(dst, slab, cols, N, dw_acc, db, dw1, db1, HAS_BIAS, HAS_W1,
+                             HAS_B1)  # fmt: skip
         if TAIL_N > 0:
-            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tdw1, tdb1, tail_layout,
-                                 HAS_BIAS, DW_REGS, HAS_W1, HAS_B1)  # fmt: skip
+            _store_part_partials(dst, slab, tcols, N, tdw_acc, tdb, tdw1, tdb1, HAS_BIAS, HAS_W1,
+                                 HAS_B1)  # fmt: skip

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Re-derive the tuned launch table of the GPU at hand (``fused_norm/tuned/<arch>.py``).
+
+For each row (direction, kind, dtype tag, width) the script times the plan of the rules alone
+(``heuristics``, with no table) against candidate overrides: the current table's entry, the
+rule's warps halved and doubled, and with ``--explore`` more (register caps, the full-row
+flag, chunked forward rows of plain norms). A candidate enters the new table only where it beats
+the rules' plan by at least ``--min-gain`` (3%). Timing: the kernels of one direction alone,
+M·N = ``--elements``, L2 flushed, the host covered, median of CUDA-event times (bench.py's).
+
+    python3 -u bench/tune.py                     # the current table's rows (~2 min, H200)
+    python3 -u bench/tune.py --rows quick --explore --out /tmp/sm90.py   # make bench's rows
+    python3 bench/tune.py --smoke                # CPU: checks the script, writes nothing
+
+The table is written with a header naming the GPU, versions, date and command; review its diff
+(docs/tuning.md) before committing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pprint
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(1, str(BENCH))
+
+import bench as B  # noqa: E402
+
+from fused_norm import heuristics as H  # noqa: E402
+from fused_norm import ops  # noqa: E402
+
+# A table kind -> the bench workload that exercises it.
+KIND_WORKLOAD = {
+    "ln": "ln", "rms": "rms", "add_rms": "add_rms", "add": "add_rms", "add_ln": "add_rms",
+    "drop_ln": "drop_add_ln", "drop": "drop_add_ln", "drop_rms": "drop_add_ln",
+    "x1_ln": "parallel_ln", "x1": "parallel_ln", "x1drop": "x1drop_ln", "x1drop_ln": "x1drop_ln",
+}  # fmt: skip
+TAG_DTYPE = {
+    "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "bf16_res32": "bf16_res32",
+    "bf16_w32": "bf16_w32", "16": "bf16", "16_res32": "bf16_res32", "16_w32": "bf16_w32",
+    "32": "fp32", "e16": "bf16", "e32": "fp32", "any": "bf16",
+}  # fmt: skip
+B.WORKLOADS["x1drop_ln"] = B.Workload("x1drop_ln", "dropout(0.1) on x and x1 + add + two LNs",
+                                      rms=False, residual=True, x1=True, dropout_p=0.1)  # fmt: skip
+QUICK_N = (1024, 4096, 16384, 65536, 262144)
+
+
+def width_of(w) -> int:
+    return int(w[3:]) if isinstance(w, str) else int(w)
+
+
+def plan_of(direction, kind, tag, width, n, dev):
+    """The plan the package makes for this row now (what a call would launch)."""
+    wl, dt = B.WORKLOADS[KIND_WORKLOAD[kind]], TAG_DTYPE[tag]
+    ops.clear_plans()
+    args, leaves = B.make_inputs(wl, dt, 2, n, dev)
+    fwd = B.PROVIDERS["fused_norm"].build(B.PROVIDERS["fused_norm"].module, wl)
+    outs = fwd(*args)
+    from fused_norm import functional
+
+    call = next(iter(functional._CALLS.values()))
+    if direction == "fwd":
+        return call.fplan
+    torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+    return next(iter(call._bwd.values())).plan
+
+
+def time_direction(direction, kind, tag, n, elements, clock, iters) -> float:
+    """Median seconds of one direction's kernels for the row, with the plans as they are."""
+    wl, dt = B.WORKLOADS[KIND_WORKLOAD[kind]], TAG_DTYPE[tag]
+    ops.clear_plans()
+    m = max(1, elements // n)
+    args, leaves = B.make_inputs(wl, dt, m, n, clock.device)
+    grads = B.make_grads(wl, dt, m, n, clock.device)
+    fwd = B.PROVIDERS["fused_norm"].build(B.PROVIDERS["fused_norm"].module, wl)
+    if direction == "fwd":
+        detached = [None if a is None else a.detach() for a in args]
+
+        def step(_):
+            return fwd(*detached)
+
+        setup = None
+    else:
+        setup = lambda: fwd(*args)  # noqa: E731
+
+        def step(outs):
+            return torch.autograd.grad(outs, leaves, grads)
+
+    clock.once(step, setup)  # compiles
+    return clock.median(step, setup, iters)
+
+
+def candidates(direction, plan, entry, explore):
+    """Override dicts to time against the rules' plan (no override)."""
+    out = [entry] if entry else []
+    w = plan.num_warps
+    out += [{"warps": v} for v in (w // 2, w * 2) if 1 <= v <= 32]
+    if explore:
+        out += [{"maxnreg": r} for r in (64, 128) if plan.maxnreg != r]
+        if direction == "fwd":
+            out.append({"full_row": not plan.constexprs["FULL_ROW"]})
+        else:
+            out.append({"whole_waves": True})
+    uniq = []
+    for c in out:
+        if c and c not in uniq:
+            uniq.append(c)
+    return uniq
+
+
+def rows_to_tune(args, table):
+    if args.rows == "table":
+        return [tuple(k) for k in table]
+    rows = []
+    for wl, kind in (("ln", "ln"), ("rms", "rms"), ("add_rms", "add_rms"),
+                     ("drop_add_ln", "drop_ln"), ("parallel_ln", "x1_ln")):  # fmt: skip
+        for direction in ("fwd", "bwd"):
+            for n in QUICK_N:
+                rows.append((direction, kind, "bf16", n))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", choices=("table", "quick"), default="table")
+    ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--elements", type=int, default=2**27)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--min-gain", type=float, default=0.03)
+    ap.add_argument("--out", help="table file to write (default fused_norm/tuned/<arch>.py)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    import triton
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    d = H.device(dev)
+    arch = d.arch or "cpu"
+    table = dict(H._table(d.arch))
+    if args.smoke:
+        table = {("fwd", "rms", "fp32", 256): {"warps": 2}}
+        args.elements, args.iters = 2**10, 1
+    B.PROVIDERS["fused_norm"].module = B.PROVIDERS["fused_norm"].load()
+    clock = B.Clock(dev)
+    new: dict = {}
+    lines = []
+    live = H._table(d.arch)  # the table the plans read (the module's, cached)
+    original = dict(live) if not args.smoke else dict(table)
+    t0 = time.perf_counter()
+    try:
+        for key in rows_to_tune(args, table):
+            direction, kind, tag, width = key
+            n = width_of(width)
+            live.clear()
+            live.update(original)
+            entry = live.pop(key, None)  # the rules alone for this row
+            rule_plan = plan_of(direction, kind, tag, width, n, dev)
+            base = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
+            best, best_t = None, base
+            for cand in candidates(direction, rule_plan, entry, args.explore):
+                live[key] = cand
+                if plan_of(direction, kind, tag, width, n, dev) == rule_plan:
+                    continue  # the override changes nothing here
+                try:
+                    t = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
+                except Exception as exc:  # a candidate that does not compile or fit
+                    lines.append(f"{key} {cand}: {B.short_error(exc)}")
+                    continue
+                lines.append(f"{key} {cand}: {t * 1e6:.1f} us vs rules {base * 1e6:.1f} us")
+                print(f"[{time.perf_counter() - t0:6.1f}s] {lines[-1]}", flush=True)
+                if t < best_t:
+                    best, best_t = cand, t
+            if best is not None and best_t <= base * (1 - args.min_gain):
+                new[key] = best
+                print(f"  keep {key}: {best} ({base / best_t - 1:+.1%})", flush=True)
+    finally:
+        live.clear()
+        live.update(original if not args.smoke else {})
+        ops.clear_plans()
+    if args.rows != "table":  # untouched entries of rows not re-timed stay
+        for k, v in table.items():
+            new.setdefault(k, v)
+    env = (f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, torch "
+           f"{torch.__version__}, triton {triton.__version__}, "
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")  # fmt: skip
+    text = (
+        "# Generated by bench/tune.py -- do not edit by hand (docs/tuning.md).\n"
+        f"# {env}\n# Command: python3 {' '.join(sys.argv)}\n"
+        f"# Kept: overrides that beat the rules by >= {args.min_gain:.0%} on their row.\n\n"
+        f"TABLE = {pprint.pformat(dict(sorted(new.items(), key=str)), width=100)}\n"
+    )
+    if args.smoke:
+        print(text)
+        return
+    out = Path(args.out or BENCH.parent / "fused_norm" / "tuned" / f"{arch}.py")
+    out.write_text(text)
+    (out.with_suffix(".log")).write_text("\n".join(lines) + "\n")
+    print(f"wrote {out} ({len(new)} entries) and {out.with_suffix('.log')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call: the steps named on the command line, each under its own time limit, their
+# output under $OUT (the device tool's folder), a summary line per step at the end.
+#   bash scripts/device_run.sh smoke host bench ...
+set -u
+DEST=${OUT:-/tmp/device_out}  # the device tool brings back at most 8 files: one archive
+OUT=/tmp/device_work
+mkdir -p "$OUT" "$DEST"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, torch.cuda.device_count())" | tee "$OUT/env.txt"
+summary=()
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $((SECONDS - t0))s")
+  tail -n 25 "$OUT/$name.log"
+}
+for s in "$@"; do
+  case $s in
+    smoke) step smoke 240 python3 scripts/gpu_smoke.py ;;
+    smokeq) step smoke 150 python3 scripts/gpu_smoke.py --quick ;;
+    host) step host 200 python3 bench/host_cost.py --out "$OUT/host" ;;
+    bench) step bench 420 python3 -u bench/bench.py --quick --out "$OUT/bench" ;;
+    benchf) step bench 220 python3 -u bench/bench.py --quick --providers fused_norm --small-M "" --out "$OUT/bench" ;;
+    tune) step tune 300 python3 -u bench/tune.py --out "$OUT/sm90.py" ;;
+    gputest) step gputest 420 bash scripts/gpu_test.sh "$OUT/gputest" ;;
+    gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
+    hf) step hf 300 python3 bench/bench_hf.py --out "$OUT/hf" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$DEST/"
+tar czf "$DEST/results.tgz" -C "$OUT" .
