@@ -15,6 +15,7 @@ from .functional import (
     layer_norm_fn,
     rms_norm_fn,
 )
+from .hf import replace_norms, restore_norms
 from .modules import DropoutAddLayerNorm, DropoutAddRMSNorm, LayerNorm, RMSNorm
 from .reference import layer_norm_ref, rms_norm_ref
 
@@ -33,4 +34,6 @@ __all__ = [
     "DropoutAddRMSNorm",
     "LayerNorm",
     "RMSNorm",
+    "replace_norms",
+    "restore_norms",
 ]
