@@ -50,6 +50,8 @@ _KERNEL_DEVICE_TYPES = ("cuda", "xpu")
 # Keys of calls seen (_spec); bounded so that a stream of new shapes cannot grow it for ever.
 _CALLS: dict = {}
 _MAX_CALLS = 4096
+if ops is not None:
+    ops.CACHES.append(_CALLS)
 
 
 # The environment's raw mapping (POSIX: bytes -> bytes), read per call for the cache key: a

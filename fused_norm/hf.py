@@ -56,9 +56,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-import fused_norm
-
 from . import distributed as _dist
+from .functional import layer_norm_fn
 
 __all__ = ["replace_norms", "restore_norms"]
 
@@ -274,14 +273,14 @@ def _norm_call(x, weight, bias, eps, kind: _Norm, residual, prenorm, out_dtype):
             residual = DTensor.from_local(residual, x.device_mesh, x.placements, run_check=False,
                                           shape=x.shape, stride=x.stride())  # fmt: skip
         out = _dist.dtensor_call(
-            fused_norm.layer_norm_fn, x, weight, bias, residual=residual, eps=eps,
+            layer_norm_fn, x, weight, bias, residual=residual, eps=eps,
             prenorm=prenorm, zero_centered_weight=kind.zero_centered, is_rms_norm=kind.is_rms,
             out_dtype=out_dtype,
         )  # fmt: skip
         if prenorm and local_residual:
             out = (out[0], out[1].to_local())
         return out
-    return fused_norm.layer_norm_fn(
+    return layer_norm_fn(
         x, weight, bias, residual=residual, eps=eps, prenorm=prenorm,
         zero_centered_weight=kind.zero_centered, is_rms_norm=kind.is_rms, out_dtype=out_dtype,
     )  # fmt: skip

@@ -94,30 +94,30 @@ def dropout_key(dev: torch.device) -> Optional[int]:
 # ----------------------------------------------------------------------------------------------
 
 _PLANS: dict = {}
+# Caches of what plans decided, emptied by clear_plans (functional registers its call cache).
+CACHES: list = [_PLANS]
 
 
 def clear_plans() -> None:
     """Forget every plan and call signature made so far (after changing a heuristic)."""
-    _PLANS.clear()
-    from . import functional
+    for cache in CACHES:
+        cache.clear()
 
-    functional._CALLS.clear()
+
+def _plan(make, dev, row):
+    key = (make, dev, row)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make(H.device(dev), row)
+    return plan
 
 
 def fwd_plan(dev, row: H.FwdRow) -> H.FwdPlan:
-    key = ("fwd", dev, row)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = H.forward_plan(H.device(dev), row)
-    return plan
+    return _plan(H.forward_plan, dev, row)
 
 
 def bwd_plan(dev, row: H.BwdRow) -> H.BwdPlan:
-    key = ("bwd", dev, row)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = H.backward_plan(H.device(dev), row)
-    return plan
+    return _plan(H.backward_plan, dev, row)
 
 
 def _aligned(t) -> bool:
