@@ -104,8 +104,8 @@ def clear_plans() -> None:
         cache.clear()
 
 
-def _plan(make, dev, row):
-    key = (make, dev, row)
+def _plan(direction, make, dev, row):
+    key = (direction, dev, row)  # ("fwd" | "bwd", ...): what tests read back
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = make(H.device(dev), row)
@@ -113,11 +113,11 @@ def _plan(make, dev, row):
 
 
 def fwd_plan(dev, row: H.FwdRow) -> H.FwdPlan:
-    return _plan(H.forward_plan, dev, row)
+    return _plan("fwd", H.forward_plan, dev, row)
 
 
 def bwd_plan(dev, row: H.BwdRow) -> H.BwdPlan:
-    return _plan(H.backward_plan, dev, row)
+    return _plan("bwd", H.backward_plan, dev, row)
 
 
 def _aligned(t) -> bool:
