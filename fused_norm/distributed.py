@@ -123,6 +123,33 @@ def _check_row_ref(name, x):
             )
 
 
+def _local(name, value, ref_name, mesh, placements, grad_placements) -> torch.Tensor:
+    """The local tensor of argument ``name`` (a row or a column argument) beside the input's
+    ``mesh`` and ``placements``, or a ValueError naming a layout the norm cannot serve."""
+    row = name in _ROW_ARGS
+    if not isinstance(value, DTensor):
+        raise ValueError(
+            f"{name} is a plain tensor but {ref_name} is a DTensor: pass {name} as a DTensor "
+            f"on {ref_name}'s mesh (" + ("with its placements)" if row else
+                                        "Replicate, e.g. via SequenceParallel)")
+        )  # fmt: skip
+    if value.device_mesh != mesh:
+        raise ValueError(f"{name} is on device mesh {value.device_mesh}, {ref_name} on {mesh}")
+    if row:
+        if tuple(value.placements) != placements:
+            # The same global tensor, laid out like x (a Replicate residual beside a
+            # sequence-sharded x only drops the other ranks' rows: no communication).
+            _check_row_ref(name, value)
+            value = value.redistribute(mesh, placements)
+        return _plain(value.to_local())
+    if not all(p.is_replicate() for p in value.placements):
+        raise ValueError(
+            f"{name} must be replicated (Replicate() on every mesh dim), got "
+            f"({_placements_text(value)}): a sharded {name} splits each row's columns"
+        )
+    return _plain(value.to_local(grad_placements=grad_placements))
+
+
 def dtensor_call(fn, *args, **kwargs):
     """Call ``fn`` (``layer_norm_fn``, ``rms_norm_fn`` or a ``dropout_add_*`` function), some of
     whose tensor arguments are DTensors, on each rank's local tensors.
@@ -168,33 +195,8 @@ def dtensor_call(fn, *args, **kwargs):
     for name, value in bound.items():
         if name in _BUFFER_ARGS and value is not None:
             raise ValueError(f"{name}= buffers are not supported with DTensor inputs")
-        if name == ref_name or not isinstance(value, torch.Tensor):
-            continue
-        role = "row" if name in _ROW_ARGS else "column" if name in _COL_ARGS else None
-        if role is None:
-            continue
-        if not isinstance(value, DTensor):
-            raise ValueError(
-                f"{name} is a plain tensor but {ref_name} is a DTensor: pass {name} as a DTensor "
-                f"on {ref_name}'s mesh (" + ("with its placements)" if role == "row" else
-                                            "Replicate, e.g. via SequenceParallel)")
-            )  # fmt: skip
-        if value.device_mesh != mesh:
-            raise ValueError(f"{name} is on device mesh {value.device_mesh}, {ref_name} on {mesh}")
-        if role == "row":
-            if tuple(value.placements) != placements:
-                # The same global tensor, laid out like x (a Replicate residual beside a
-                # sequence-sharded x only drops the other ranks' rows: no communication).
-                _check_row_ref(name, value)
-                value = value.redistribute(mesh, placements)
-            local[name] = _plain(value.to_local())
-        else:
-            if not all(p.is_replicate() for p in value.placements):
-                raise ValueError(
-                    f"{name} must be replicated (Replicate() on every mesh dim), got "
-                    f"({_placements_text(value)}): a sharded {name} splits each row's columns"
-                )
-            local[name] = _plain(value.to_local(grad_placements=grad_placements))
+        if name != ref_name and isinstance(value, torch.Tensor) and name in _ROW_ARGS + _COL_ARGS:
+            local[name] = _local(name, value, ref_name, mesh, placements, grad_placements)
     local[ref_name] = _plain(x.to_local())
     result = fn(**local)
 

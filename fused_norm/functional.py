@@ -153,9 +153,10 @@ def fused_norm(
     return call(*tensors)
 
 
-def _new_call(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_weight,
+def _validate(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_weight,
               is_rms_norm, return_dropout_mask, out_dtype):  # fmt: skip
-    """Validate a call (raising on bad input) and build the object that runs calls like it."""
+    """``(kernels, flags)`` of a call: whether the Triton kernels serve it, and its scalars;
+    raises on bad input (checks.check_args)."""
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out, res_out = tensors
     residual_dtype = _residual_dtype(x, residual, residual_in_fp32)
     kernels = isinstance(x, torch.Tensor) and use_kernels(x)
@@ -164,10 +165,18 @@ def _new_call(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_
         out_dtype, out, res_out, residual_dtype, kernel=kernels,
     )  # fmt: skip
     flags = Flags(float(eps), float(dropout_p), bool(prenorm), residual_dtype,
-                      bool(zero_centered_weight), bool(is_rms_norm), bool(return_dropout_mask),
-                      out_dtype or x.dtype)  # fmt: skip
+                  bool(zero_centered_weight), bool(is_rms_norm), bool(return_dropout_mask),
+                  out_dtype or x.dtype)  # fmt: skip
+    return kernels, flags
+
+
+def _new_call(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_weight,
+              is_rms_norm, return_dropout_mask, out_dtype):  # fmt: skip
+    """Validate a call (raising on bad input) and build the object that runs calls like it."""
+    kernels, flags = _validate(tensors, eps, dropout_p, prenorm, residual_in_fp32,
+                               zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype)  # fmt: skip
     graph = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors[:7] + (layerscale,)
+        t is not None and t.requires_grad for t in tensors[:7] + (tensors[8],)
     )
     if not kernels:
         return _TorchCall(flags)
@@ -206,15 +215,8 @@ class _TracedNorm(torch.autograd.Function):
 def _traced(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_weight,
             is_rms_norm, return_dropout_mask, out_dtype):  # fmt: skip
     x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscale, out, res_out = tensors
-    residual_dtype = _residual_dtype(x, residual, residual_in_fp32)
-    kernels = use_kernels(x)
-    check_args(
-        x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, layerscale,
-        out_dtype, out, res_out, residual_dtype, kernel=kernels,
-    )  # fmt: skip
-    flags = Flags(float(eps), float(dropout_p), bool(prenorm), residual_dtype,
-                      bool(zero_centered_weight), bool(is_rms_norm), bool(return_dropout_mask),
-                      out_dtype or x.dtype)  # fmt: skip
+    kernels, flags = _validate(tensors, eps, dropout_p, prenorm, residual_in_fp32,
+                               zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype)  # fmt: skip
     if not kernels:
         return _TorchCall(flags)(*tensors)
     y, y1, s, mask, mask1 = _TracedNorm.apply(

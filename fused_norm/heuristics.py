@@ -332,16 +332,9 @@ HOPPER_MIN, HOPPER_MAX, HOPPER_SLICE = 10241, 262144, 16384
 HOPPER_BYTES = HOPPER_SMEM - 2048  # what its staging may take (its reductions take the rest)
 
 
-def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
-    """The backward's launch choices for rows like ``r`` on ``d``."""
-    hopper = _hopper_plan(d, r)
-    if hopper is not None:
-        return hopper
-    n = r.n
-    eb = max(r.s_bytes, r.dy_bytes, r.x_dtype.itemsize)
-    w4 = r.weight_bytes == 4
-    plain = not (r.dres_out or r.own_dres or r.own_dx1 or r.dropout)
-    p = r.partials
+def _bwd_blocks(d: Device, r: BwdRow, eb: int, w4: bool) -> tuple:
+    """``(block, chunks, exchange)``: the backward's column blocks of a row."""
+    n, p = r.n, r.partials
     # Block caps in 16-bit columns: the fp32 partials take registers whatever the dtype.
     cap = (BWD_BLOCK_BYTES if p <= 1 else BWD_BLOCK_BYTES_MULTI) // 2
     block = max(min(next_power_of_2(n), cap), 8)
@@ -353,24 +346,54 @@ def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
         and (n - block) * div <= block
         and (p == 2 or (p == 1 and not r.dropout and eb == 2))
     ):
-        block, chunks = 2 * block, 1
-    exchange = False
-    if chunks > 1:
-        # Column programs exchange their row sums a row ahead (the rows read once), where a row
-        # block's programs fit at once; 16-bit rows beside fp32 weights with dropout or x1 read
-        # the weights twice per row there: they, and rows of many blocks with several
-        # partials, take the row-sums pre-pass instead.
-        xb = eb if p >= 4 else min(eb, 2)
-        xblock = max(min(next_power_of_2(n), EXCHANGE_BLOCK_BYTES // xb), 8)
-        xchunks = cdiv(n, xblock)
-        heavy_w4 = (r.dropout or r.has_dy1) and w4 and eb == 2 and p >= 2
-        fits = INTERPRETED or (xchunks <= d.sms and (p == 1 or xchunks <= EXCHANGE_MAX_MULTI))
-        if EXCHANGE and (d.nvidia or INTERPRETED) and not heavy_w4 and fits:
-            block, chunks, exchange = xblock, xchunks, True
-        else:  # x1's 16-bit rows beside 16-bit weights: 4K-column blocks (8 KB) measured faster
-            tile = PREPASS_BLOCK_BYTES // (2 if p >= 4 and eb == 2 and not w4 else 1)
-            block = max(min(next_power_of_2(n), tile // eb), 8)
-            chunks = cdiv(n, block)
+        return 2 * block, 1, False
+    if chunks == 1:
+        return block, chunks, False
+    # Column programs exchange their row sums a row ahead (the rows read once), where a row
+    # block's programs fit at once; 16-bit rows beside fp32 weights with dropout or x1 read
+    # the weights twice per row there: they, and rows of many blocks with several
+    # partials, take the row-sums pre-pass instead.
+    xb = eb if p >= 4 else min(eb, 2)
+    xblock = max(min(next_power_of_2(n), EXCHANGE_BLOCK_BYTES // xb), 8)
+    xchunks = cdiv(n, xblock)
+    heavy_w4 = (r.dropout or r.has_dy1) and w4 and eb == 2 and p >= 2
+    fits = INTERPRETED or (xchunks <= d.sms and (p == 1 or xchunks <= EXCHANGE_MAX_MULTI))
+    if EXCHANGE and (d.nvidia or INTERPRETED) and not heavy_w4 and fits:
+        return xblock, xchunks, True
+    # x1's 16-bit rows beside 16-bit weights: 4K-column blocks (8 KB) measured faster
+    tile = PREPASS_BLOCK_BYTES // (2 if p >= 4 and eb == 2 and not w4 else 1)
+    block = max(min(next_power_of_2(n), tile // eb), 8)
+    return block, cdiv(n, block), False
+
+
+def _bwd_stages(d: Device, r: BwdRow, block, chunks, tail, tile_rows, exchange) -> int:
+    """Pipeline the row loop where its maths is heavy (dropout, column blocks, >= 2 partials
+    at 4K+): the next rows' loads overlap this row's maths. Its buffers (stages - 1 of each
+    row's load and of the weights') must fit the device's shared memory: else unpipelined."""
+    if exchange or not (r.dropout or chunks > 1 or (r.partials >= 2 and block >= 4096)):
+        return 1
+    row_bytes = r.s_bytes + r.dy_bytes * (2 if r.has_dy1 else 1) + r.x0_bytes + (
+        r.stream_bytes if r.dres_out else 0)  # fmt: skip
+    held = block // 2 + tail if tail and block > 8192 else block
+    stages = min(3, STAGE_BYTES // (held * row_bytes * tile_rows))
+    stages = stages if stages >= 2 else 1
+    wbytes = r.weight_bytes * (2 if r.has_dy1 else 1)
+    if d.shared and pipeline_bytes(stages, held, tile_rows, row_bytes, wbytes) > d.shared:
+        return 1
+    return stages
+
+
+def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
+    """The backward's launch choices for rows like ``r`` on ``d``."""
+    hopper = _hopper_plan(d, r)
+    if hopper is not None:
+        return hopper
+    n = r.n
+    eb = max(r.s_bytes, r.dy_bytes, r.x_dtype.itemsize)
+    w4 = r.weight_bytes == 4
+    plain = not (r.dres_out or r.own_dres or r.own_dx1 or r.dropout)
+    p = r.partials
+    block, chunks, exchange = _bwd_blocks(d, r, eb, w4)
     tail = _bwd_tail(n, block, chunks, p, r.dropout, plain, eb)
     # Entries for a padded width serve the rows held in that one block (not those held as two).
     widths = (n,) if tail else (n, f"pad{next_power_of_2(max(n, 8))}")
@@ -380,19 +403,7 @@ def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
         4 if exchange else (own.get("warps") or _bwd_warps(block, tail, p, r.dropout, plain, eb))
     )
     tile_rows = BWD_TILE_ROWS if r.dropout and chunks == 1 and not tail and block <= 512 else 1
-    row_bytes = r.s_bytes + r.dy_bytes * (2 if r.has_dy1 else 1) + r.x0_bytes + (
-        r.stream_bytes if r.dres_out else 0)  # fmt: skip
-    stages = 1
-    # Pipeline the row loop where its maths is heavy (dropout, column blocks, >= 2 partials
-    # at 4K+): the next rows' loads overlap this row's maths. Its buffers (stages - 1 of each
-    # row's load and of the weights') must fit the device's shared memory: else unpipelined.
-    if not exchange and (r.dropout or chunks > 1 or (p >= 2 and block >= 4096)):
-        held = block // 2 + tail if tail and block > 8192 else block
-        stages = min(3, STAGE_BYTES // (held * row_bytes * tile_rows))
-        stages = stages if stages >= 2 else 1
-        wbytes = r.weight_bytes * (2 if r.has_dy1 else 1)
-        if d.shared and pipeline_bytes(stages, held, tile_rows, row_bytes, wbytes) > d.shared:
-            stages = 1
+    stages = _bwd_stages(d, r, block, chunks, tail, tile_rows, exchange)
     joint = _joint_row_sums(block, chunks, tail, p, stages, r.dropout)
     maxnreg = own.get("maxnreg")
     if maxnreg is None and d.nvidia and chunks == 1 and not tail:

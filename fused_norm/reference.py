@@ -41,24 +41,8 @@ def _rms_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> 
     return out + bias if bias is not None else out
 
 
-def _norm_ref(
-    norm,
-    x,
-    weight,
-    bias,
-    residual=None,
-    x1=None,
-    weight1=None,
-    bias1=None,
-    eps=1e-6,
-    dropout_p=0.0,
-    rowscale=None,
-    prenorm=False,
-    zero_centered_weight=False,
-    dropout_mask=None,
-    dropout_mask1=None,
-    upcast=False,
-):
+def _norm_ref(norm, x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale,
+              prenorm, zero_centered_weight, dropout_mask, dropout_mask1, upcast):  # fmt: skip
     dtype = x.dtype
     if upcast:
         x, weight, bias, residual, x1, weight1, bias1, rowscale = map(
@@ -88,22 +72,10 @@ def _norm_ref(
 
 
 def layer_norm_ref(
-    x,
-    weight,
-    bias,
-    residual=None,
-    x1=None,
-    weight1=None,
-    bias1=None,
-    eps=1e-6,
-    dropout_p=0.0,
-    rowscale=None,
-    prenorm=False,
-    zero_centered_weight=False,
-    dropout_mask=None,
-    dropout_mask1=None,
-    upcast=False,
-):
+    x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+    rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None,
+    dropout_mask1=None, upcast=False,
+):  # fmt: skip
     """Reference dropout + residual add + LayerNorm.
 
     Args:
@@ -132,22 +104,10 @@ def layer_norm_ref(
 
 
 def rms_norm_ref(
-    x,
-    weight,
-    bias,
-    residual=None,
-    x1=None,
-    weight1=None,
-    bias1=None,
-    eps=1e-6,
-    dropout_p=0.0,
-    rowscale=None,
-    prenorm=False,
-    zero_centered_weight=False,
-    dropout_mask=None,
-    dropout_mask1=None,
-    upcast=False,
-):
+    x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+    rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None,
+    dropout_mask1=None, upcast=False,
+):  # fmt: skip
     """Reference dropout + residual add + RMSNorm; same arguments and returns as
     :func:`layer_norm_ref`, with ``y = s / sqrt(mean(s^2) + eps) * w + b``."""
     return _norm_ref(
