@@ -27,12 +27,13 @@ import torch
 import triton
 from triton.runtime import driver
 
+from .kernels.common import INTERPRETED
+
 try:
     from triton import knobs  # Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: every launch through kernel[grid]
     knobs = None
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _CHECKED = ((3, 6), (3, 7), (3, 8), (3, 9))  # versions whose CompiledKernel.run was read
 try:
     _VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])

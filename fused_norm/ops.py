@@ -144,6 +144,37 @@ def _fwd_row(n, x_dtype, y_dtype, residual_dtype, x1_dtype, stream_out_dtype, we
     )  # fmt: skip
 
 
+def stream_is_x(x, residual, x1, rowscale, layerscale, f: Flags) -> bool:
+    """Whether the pre-norm sum ``s`` is ``x`` itself (nothing changed it): then the backward
+    normalises x, and no stream is stored unless prenorm asks for it."""
+    return (residual is None and x1 is None and rowscale is None and layerscale is None
+            and f.dropout_p == 0.0 and f.residual_dtype == x.dtype)  # fmt: skip
+
+
+def own_grads(dropout, scaled, x_dtype, res_dtype, x1_dtype) -> tuple:
+    """``(own_dres, own_dx1)``: whether the residual's and x1's gradients are tensors of their
+    own; where not (no dropout or scale between them and s, x's dtype) they equal dx."""
+    plain = not dropout and not scaled
+    return (res_dtype is not None and not (plain and res_dtype == x_dtype),
+            x1_dtype is not None and not (plain and x1_dtype == x_dtype))  # fmt: skip
+
+
+def bwd_constexprs(plan, is_rms, has_bias, has_w1, has_b1, own_dx1, has_dres_out, own_dres,
+                   has_rowscale, has_layerscale, dropout, zcw) -> dict:  # fmt: skip
+    """The backward kernel's constexprs (the Hopper kernel's where the plan takes it), by
+    name: the plan's and the features'."""
+    c = dict(
+        plan.constexprs, IS_RMS_NORM=is_rms, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
+        HAS_X1=own_dx1, HAS_DRESIDUAL_OUT=has_dres_out, STORE_DRESIDUAL=own_dres,
+        HAS_ROWSCALE=has_rowscale, HAS_LAYERSCALE=has_layerscale, HAS_DROPOUT=dropout,
+        ZERO_CENTERED_WEIGHT=zcw,
+    )  # fmt: skip
+    if not plan.hopper:
+        c["CHUNKS_P2"] = H.next_power_of_2(plan.chunks) if plan.exchange else 1
+        c["BOUNDED_WAIT"] = plan.exchange and INTERPRETED
+    return {k: c[k] for k in bwd_names(plan)}
+
+
 def _fwd_constexprs(plan, has_bias, has_residual, has_x1, has_w1, has_b1, has_rowscale,
                     has_layerscale, dropout, store_mask, store_res, is_rms, zcw) -> dict:  # fmt: skip
     """The forward kernel's constexprs, by name (the plan's and the features')."""
@@ -238,8 +269,7 @@ class KernelCall:
                                  for t in (weight, bias, weight1, bias1, layerscale))  # fmt: skip
         self.rowscale_contig = rowscale is None or rowscale.is_contiguous()
         # The backward normalises the pre-norm sum s: x itself, unless anything changed it.
-        self.s_is_x = (residual is None and x1 is None and rowscale is None and layerscale is None
-                       and not dropout and f.residual_dtype == x.dtype)  # fmt: skip
+        self.s_is_x = stream_is_x(x, residual, x1, rowscale, layerscale, f)
         self.store_res = f.prenorm or not self.s_is_x
         self.out_rs = None if out is None else row_stride(out)
         self.res_out_rs = None if res_out is None else row_stride(res_out)
@@ -431,7 +461,7 @@ def _grad(g, shape, dtype, dev):
     if g is None:
         return torch.zeros(shape, dtype=dtype, device=dev)
     if not g.is_contiguous() or g.data_ptr() % 16:
-        return g.contiguous() if g.data_ptr() % 16 == 0 or not g.is_contiguous() else g.clone()
+        return g.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
     return g
 
 
@@ -445,9 +475,8 @@ class _BwdLaunches:
         x_dtype, res_dtype, x1_dtype = call.dtypes
         dropout = f.dropout_p > 0.0
         has_rowscale, has_layerscale = call.has[5], call.has[6]
-        dx_is_ds = not dropout and not has_rowscale and not has_layerscale
-        self.own_dres = res_dtype is not None and not (dx_is_ds and res_dtype == x_dtype)
-        self.own_dx1 = x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype)
+        self.own_dres, self.own_dx1 = own_grads(dropout, has_rowscale or has_layerscale, x_dtype,
+                                                res_dtype, x1_dtype)  # fmt: skip
         self.params = [d for d in call.param_dtypes if d is not None]
         s_dtype = x_dtype if call.s_is_x else f.residual_dtype
         has_w1 = call.has[3]
@@ -464,23 +493,12 @@ class _BwdLaunches:
         )  # fmt: skip
         self.plan = plan = bwd_plan(self.dev, row)
         self.d = H.device(self.dev)
-        feats = dict(
-            IS_RMS_NORM=f.is_rms_norm, HAS_BIAS=call.has[0], HAS_W1=has_w1, HAS_B1=call.has[4],
-            HAS_X1=self.own_dx1, HAS_DRESIDUAL_OUT=has_dres_out, STORE_DRESIDUAL=self.own_dres,
-            HAS_ROWSCALE=has_rowscale, HAS_LAYERSCALE=has_layerscale, HAS_DROPOUT=dropout,
-            ZERO_CENTERED_WEIGHT=f.zero_centered_weight,
-        )  # fmt: skip
         self.dtypes = dict(s=s_dtype, dy=f.out_dtype, dres=dres_dtype, x=x_dtype, res=res_dtype,
                            x1=x1_dtype)  # fmt: skip
-        if plan.hopper:
-            self.constexprs = {**plan.constexprs, **{k: v for k, v in feats.items()
-                               if k in _SMEM_NAMES}}  # fmt: skip
-            self.constexprs = {k: self.constexprs[k] for k in _SMEM_NAMES}
-        else:
-            c = dict(plan.constexprs, **feats)
-            c["CHUNKS_P2"] = H.next_power_of_2(plan.chunks) if plan.exchange else 1
-            c["BOUNDED_WAIT"] = plan.exchange and INTERPRETED
-            self.constexprs = {k: c[k] for k in _BWD_NAMES}
+        self.constexprs = bwd_constexprs(
+            plan, f.is_rms_norm, call.has[0], has_w1, call.has[4], self.own_dx1, has_dres_out,
+            self.own_dres, has_rowscale, has_layerscale, dropout, f.zero_centered_weight,
+        )  # fmt: skip
         self.programs = None  # decided at the first launch (the resident count)
         self.launches = None
         self.pending = []

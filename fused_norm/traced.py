@@ -24,16 +24,18 @@ from .kernels import (
     _sum_partials_kernel,
 )
 from .ops import (
-    _BWD_NAMES,
     INTERPRETED,
     PARTIALS_SUM_WARPS,
     SUMS_WARPS,
     _fwd_constexprs,
     _fwd_row,
     _row_kind,
+    bwd_constexprs,
     bwd_plan,
     draw_seeds,
     fwd_plan,
+    own_grads,
+    stream_is_x,
 )
 
 Tensor = torch.Tensor
@@ -133,9 +135,8 @@ def _bwd_impl(s, weight, bias, weight1, bias1, mean, rstd, dy, dy1, dresidual_ou
     m, n = s.shape
     dev = s.device
     dropout = dropout_p > 0.0
-    dx_is_ds = not dropout and rowscale is None and layerscale is None
-    own_dres = residual_dtype is not None and not (dx_is_ds and residual_dtype == x_dtype)
-    own_dx1 = x1_dtype is not None and not (dx_is_ds and x1_dtype == x_dtype)
+    own_dres, own_dx1 = own_grads(dropout, rowscale is not None or layerscale is not None,
+                                  x_dtype, residual_dtype, x1_dtype)  # fmt: skip
     params = [t for t in (weight, bias, weight1, bias1, layerscale) if t is not None]
     has_w1 = weight1 is not None
     row = H.BwdRow(
@@ -154,16 +155,9 @@ def _bwd_impl(s, weight, bias, weight1, bias1, mean, rstd, dy, dy1, dresidual_ou
     if m == 0 or not launch_kernels:
         grads = [torch.zeros((n,), dtype=p.dtype, device=dev) for p in params]
         return [t for t in (dx, dres, dx1) if t is not None] + grads
-    feats = dict(
-        IS_RMS_NORM=is_rms_norm, HAS_BIAS=bias is not None, HAS_W1=has_w1,
-        HAS_B1=bias1 is not None, HAS_X1=own_dx1, HAS_DRESIDUAL_OUT=dresidual_out is not None,
-        STORE_DRESIDUAL=own_dres, HAS_ROWSCALE=rowscale is not None,
-        HAS_LAYERSCALE=layerscale is not None, HAS_DROPOUT=dropout,
-        ZERO_CENTERED_WEIGHT=zero_centered_weight,
-        CHUNKS_P2=H.next_power_of_2(plan.chunks) if plan.exchange else 1,
-        BOUNDED_WAIT=plan.exchange and INTERPRETED,
-    )  # fmt: skip
-    c = {k: v for k, v in dict(plan.constexprs, **feats).items() if k in _BWD_NAMES}
+    c = bwd_constexprs(plan, is_rms_norm, bias is not None, has_w1, bias1 is not None, own_dx1,
+                       dresidual_out is not None, own_dres, rowscale is not None,
+                       layerscale is not None, dropout, zero_centered_weight)  # fmt: skip
     c12 = ws_next = None
     if plan.exchange:
         c12 = torch.full((m, plan.chunks), -1, dtype=torch.int64, device=dev)
@@ -252,8 +246,7 @@ def traced_forward(ctx, x, weight, bias, residual, x1, weight1, bias1, rowscale,
     )
     rowscale = None if rowscale is None else rowscale.reshape(-1).contiguous()
     dropout = f.dropout_p > 0.0
-    s_is_x = (residual is None and x1 is None and rowscale is None and layerscale is None
-              and not dropout and f.residual_dtype == x.dtype)  # fmt: skip
+    s_is_x = stream_is_x(x, residual, x1, rowscale, layerscale, f)
     store_res = f.prenorm or not s_is_x
     m = x2.shape[0]
     seeds = draw_seeds(2 * m if x1 is not None else m, dev) if dropout else None
@@ -296,13 +289,13 @@ def traced_backward(ctx, dy, dy1, dres_out):
         x1_dtype,
     ))  # fmt: skip
     dx = outs.pop(0).view(shape)
-    dropout = f.dropout_p > 0.0
-    dx_is_ds = not dropout and rowscale is None and layerscale is None
+    own_dres, own_dx1 = own_grads(f.dropout_p > 0.0, rowscale is not None or layerscale is not None,
+                                  x_dtype, res_dtype, x1_dtype)  # fmt: skip
     dres = dx1 = None
     if res_dtype is not None:
-        dres = outs.pop(0).view(shape) if not (dx_is_ds and res_dtype == x_dtype) else dx
+        dres = outs.pop(0).view(shape) if own_dres else dx
     if x1_dtype is not None:
-        dx1 = outs.pop(0).view(shape) if not (dx_is_ds and x1_dtype == x_dtype) else dx
+        dx1 = outs.pop(0).view(shape) if own_dx1 else dx
     dw, db, dw1, db1, dls = (outs.pop(0) if t is not None else None
                              for t in (weight, bias, weight1, bias1, layerscale))  # fmt: skip
     return dx, dw, db, dres, dx1, dw1, db1, None, dls
