@@ -51,6 +51,18 @@ class _Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def _call(self, x, residual, p, prenorm, residual_in_fp32, zero_centered_weight):
+        """fused_norm on this module's parameters: ``y``, or ``(y, residual_out)`` with
+        prenorm; dropout only in training."""
+        if type(x) is not torch.Tensor or not x.dim() or x.shape[-1] != self.hidden_size:
+            self._check_input(x)
+        y, _, res_out, _, _ = fused_norm(
+            x, self.weight, self.bias, residual, None, None, None, self.eps,
+            p if self.training else 0.0, None, None, prenorm, residual_in_fp32,
+            zero_centered_weight, self._is_rms,
+        )  # fmt: skip
+        return (y, res_out) if prenorm else y
+
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{type(self).__name__} expects a tensor input, got {type(x).__name__}")
@@ -76,14 +88,8 @@ class LayerNorm(_Norm):
         self.dropout_p = float(dropout_p)
 
     def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-        if type(x) is not torch.Tensor or not x.dim() or x.shape[-1] != self.hidden_size:
-            self._check_input(x)
-        y, _, res_out, _, _ = fused_norm(
-            x, self.weight, self.bias, residual, None, None, None, self.eps,
-            self.dropout_p if self.training else 0.0, None, None, prenorm, residual_in_fp32,
-            self.zero_centered_weight, self._is_rms,
-        )  # fmt: skip
-        return (y, res_out) if prenorm else y
+        return self._call(x, residual, self.dropout_p, prenorm, residual_in_fp32,
+                          self.zero_centered_weight)  # fmt: skip
 
     def extra_repr(self):
         return (f"{self.hidden_size}, eps={self.eps}, dropout_p={self.dropout_p}, "
@@ -120,14 +126,7 @@ class DropoutAddLayerNorm(_Norm):
         self.residual_in_fp32 = bool(residual_in_fp32)
 
     def forward(self, x0, residual=None):
-        if type(x0) is not torch.Tensor or not x0.dim() or x0.shape[-1] != self.hidden_size:
-            self._check_input(x0)
-        y, _, res_out, _, _ = fused_norm(
-            x0, self.weight, self.bias, residual, None, None, None, self.eps,
-            self.p if self.training else 0.0, None, None, self.prenorm, self.residual_in_fp32,
-            False, self._is_rms,
-        )  # fmt: skip
-        return (y, res_out) if self.prenorm else y
+        return self._call(x0, residual, self.p, self.prenorm, self.residual_in_fp32, False)
 
     def extra_repr(self):
         return (f"{self.hidden_size}, prenorm={self.prenorm}, p={self.p}, eps={self.eps}, "
