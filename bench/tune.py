@@ -36,7 +36,6 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(1, str(BENCH))
 
 import bench as B  # noqa: E402
-
 from fused_norm import heuristics as H  # noqa: E402
 from fused_norm import ops  # noqa: E402
 
@@ -123,8 +122,7 @@ def rows_to_tune(args, table):
     if args.rows == "table":
         return [tuple(k) for k in table]
     rows = []
-    for wl, kind in (("ln", "ln"), ("rms", "rms"), ("add_rms", "add_rms"),
-                     ("drop_add_ln", "drop_ln"), ("parallel_ln", "x1_ln")):  # fmt: skip
+    for kind in ("ln", "rms", "add_rms", "drop_ln", "x1_ln"):
         for direction in ("fwd", "bwd"):
             for n in QUICK_N:
                 rows.append((direction, kind, "bf16", n))

@@ -77,6 +77,7 @@ def _fwd_impl(x, weight, bias, residual, x1, weight1, bias1, rowscale, layerscal
               dropout_p, is_rms_norm, zero_centered_weight, store_residual_out, store_mask,
               out_dtype, residual_dtype, launch_kernels=True):  # fmt: skip
     m, n = x.shape
+    n = int(n)  # the plan is chosen for a concrete width (a symbolic one is specialised)
     dev = x.device
     dropout = dropout_p > 0.0
     store_mask = store_mask and dropout
@@ -133,6 +134,7 @@ def _bwd_impl(s, weight, bias, weight1, bias1, mean, rstd, dy, dy1, dresidual_ou
               layerscale, rowscale, seeds, dropout_p, is_rms_norm, zero_centered_weight, x_dtype,
               residual_dtype, x1_dtype, launch_kernels=True):  # fmt: skip
     m, n = s.shape
+    n = int(n)
     dev = s.device
     dropout = dropout_p > 0.0
     own_dres, own_dx1 = own_grads(dropout, rowscale is not None or layerscale is not None,
@@ -164,8 +166,9 @@ def _bwd_impl(s, weight, bias, weight1, bias1, mean, rstd, dy, dy1, dresidual_ou
         ws_next = torch.empty_like(c12)
     elif plan.chunks > 1:
         c12 = torch.empty((m, 2), dtype=torch.float32, device=dev)
-    resident = _traced_resident(dev, plan, c, s, weight, weight1, mean, dy, dy1, dresidual_out,
-                                x0, layerscale, rowscale, seeds, dx, dx1, dres, c12, len(params))  # fmt: skip
+    resident = _traced_resident(dev, row, plan, c, s, weight, weight1, mean, dy, dy1,
+                                dresidual_out, x0, layerscale, rowscale, seeds, dx, dx1, dres, c12,
+                                len(params))  # fmt: skip
     programs = H.programs(d, plan, m, resident)
     parts = torch.empty((len(params), programs, n), dtype=torch.float32, device=dev)
     grads = [torch.empty((n,), dtype=p.dtype, device=dev) for p in params]
@@ -205,19 +208,22 @@ else:
 _RESIDENT: dict = {}
 
 
-def _traced_resident(dev, plan, c, *tensors) -> int:
+def _traced_resident(dev, row, plan, c, *tensors) -> int:
     """The backward kernel's programs per SM that fit at once (0: unknown), for the traced
     graph: asked of the kernel compiled for Stand-ins while tracing, once per configuration."""
     if not plan.ask_resident or dev.type != "cuda" or INTERPRETED:
         return 0
-    key = (dev, plan, tuple(sorted(c.items())),
-           tuple(None if t is None else t.dtype for t in tensors))  # fmt: skip
+    key = (dev, row, tuple(sorted(c.items())), tensors[-1],  # (a plan holds dicts)
+           tuple(None if t is None else t.dtype for t in tensors[:-1]))  # fmt: skip
     hit = _RESIDENT.get(key)
     if hit is None:
         (s, weight, weight1, mean, dy, dy1, dres, x0, layerscale, rowscale, seeds, dx, dx1,
          dresidual, c12, partials) = tensors  # fmt: skip
-        st = lambda t: None if t is None else launch.Stand(t.dtype, tuple(t.shape))  # noqa: E731
-        n = s.shape[-1]
+
+        def st(t):  # one row of t (the row count may be symbolic while tracing)
+            return None if t is None else launch.Stand(t.dtype, (1, *map(int, t.shape[1:])))
+
+        n = int(s.shape[-1])
         bound = H.programs(H.device(dev), plan, 1 << 30)
         args = (st(s), st(weight), st(weight1), st(mean), launch.Stand(torch.float32, (1,)),
                 st(dy), st(dy1), st(dres), st(x0), st(layerscale), st(rowscale), st(seeds),

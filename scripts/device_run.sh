@@ -25,6 +25,10 @@ for s in "$@"; do
   case $s in
     smoke) step smoke 240 python3 scripts/gpu_smoke.py ;;
     smokeq) step smoke 150 python3 scripts/gpu_smoke.py --quick ;;
+    compile) step compile 170 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --junitxml="$OUT/junit-compile.xml" \
+               tests/gpu/test_gpu_compile.py tests/test_traced.py tests/test_hf.py::test_gpu_compile \
+               tests/test_train_gpt.py::test_compile_smoke_cuda ;;
+    floor) step floor 150 python3 -u bench/host_floor.py --out "$OUT/floor" ;;
     host) step host 200 python3 bench/host_cost.py --out "$OUT/host" ;;
     bench) step bench 420 python3 -u bench/bench.py --quick --out "$OUT/bench" ;;
     benchf) step bench 220 python3 -u bench/bench.py --quick --providers fused_norm --small-M "" --out "$OUT/bench" ;;

@@ -62,7 +62,7 @@ def _combine_inputs(
     row, col0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row, dropout_p,
     BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_LAYERSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_MASK: tl.constexpr, ROWS: tl.constexpr = 0, EVICT: tl.constexpr = NO_EVICT,
+    STORE_MASK: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """The fp32 pre-norm sum ``s`` of one row chunk (zero beyond N); with ROWS > 0 of ROWS rows
     at once (``row`` (ROWS, 1), ``cols`` (1, BLOCK_N): see _fwd_rows). ``EVICT``: the L2
@@ -94,7 +94,7 @@ def _combine_inputs(
 
 
 @triton.jit
-def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr, EVICT: tl.constexpr = NO_EVICT):
+def _load_affine(cols, col_mask, W, B, HAS_BIAS: tl.constexpr, EVICT: tl.constexpr):
     """One row chunk's weight and bias as stored (the weight again where there is no bias)."""
     w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=EVICT)
     b = w
@@ -120,7 +120,7 @@ def _affine_store(xhat, cols, col_mask, row, w, b, Y, stride_y_row, HAS_BIAS: tl
 def _normalize_store(
     xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1, stride_y1_row,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, EVICT: tl.constexpr = NO_EVICT,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """The outputs of one row chunk: y, then y1 from the second weight and bias (HAS_W1), each
     pair loaded just before its output (with the L2 eviction policy EVICT)."""
@@ -153,7 +153,7 @@ def _fwd_row(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-        HAS_DROPOUT, STORE_MASK,
+        HAS_DROPOUT, STORE_MASK, 0, NO_EVICT,
     )  # fmt: skip
     # Both blocks are formed before either is stored: storing the first block's stream before
     # the second block's loads cost 4-5 points of copy with dropout (the loads wait behind it).
@@ -164,7 +164,7 @@ def _fwd_row(
             X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
             row, BLOCK_N, tcols, tmask, M, N, stride_x_row, stride_res_row, stride_x1_row,
             dropout_p, TAIL_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-            HAS_DROPOUT, STORE_MASK,
+            HAS_DROPOUT, STORE_MASK, 0, NO_EVICT,
         )  # fmt: skip
     if STORE_RESIDUAL_OUT:
         # Normalise the stream as stored (rounded to its dtype): the backward and the
@@ -201,12 +201,13 @@ def _fwd_row(
     tl.store(RSTD + row, rstd)
     xhat = s * rstd
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                     NO_EVICT)  # fmt: skip
     if TAIL_N > 0:
         that = t * rstd
         _normalize_store(that, tcols, tmask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                          stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                         ZERO_CENTERED_WEIGHT)  # fmt: skip
+                         ZERO_CENTERED_WEIGHT, NO_EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -231,7 +232,7 @@ def _fwd_rows(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, 0, cols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-        HAS_DROPOUT, STORE_MASK, ROWS,
+        HAS_DROPOUT, STORE_MASK, ROWS, NO_EVICT,
     )  # fmt: skip
     if STORE_RESIDUAL_OUT:
         tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, s, mask=col_mask)
@@ -244,7 +245,8 @@ def _fwd_rows(
     tl.store(RSTD + rows, rstd)
     xhat = s * rstd[:, None]
     _normalize_store(xhat, cols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
-                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT)  # fmt: skip
+                     stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED_WEIGHT,
+                     NO_EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -332,7 +334,7 @@ def _publish_missing_parts(
                         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, SEEDS, SEEDS,
                         row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row,
                         stride_x1_row, dropout_p, SUB_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE,
-                        HAS_LAYERSCALE, HAS_DROPOUT, False,
+                        HAS_LAYERSCALE, HAS_DROPOUT, False, 0, NO_EVICT,
                     )  # fmt: skip
                     if STORE_RESIDUAL_OUT:
                         sp = sp.to(RESIDUAL_OUT.dtype.element_ty).to(tl.float32)
@@ -418,7 +420,7 @@ def _fwd_split_row(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,
         dropout_p, BLOCK_N, HAS_RESIDUAL, HAS_X1, HAS_ROWSCALE, HAS_LAYERSCALE,
-        HAS_DROPOUT, STORE_MASK,
+        HAS_DROPOUT, STORE_MASK, 0, NO_EVICT,
     )  # fmt: skip
     if STORE_RESIDUAL_OUT:
         h = s.to(RESIDUAL_OUT.dtype.element_ty)
@@ -611,7 +613,7 @@ def _fused_norm_fwd_kernel(
     FULL_ROW: tl.constexpr,  # rows that fill their blocks or parts: the width as a constant
     SEEDS_LAST: tl.constexpr = False,  # SEED_KEY: the seeds stored after the row, not before
     WS_PREFETCH: tl.constexpr = False,  # split rows: the exchange words prefetched into L2
-    PARAMS_EVICT: tl.constexpr = NO_EVICT,  # split rows: the weights' L2 eviction policy
+    PARAMS_EVICT: tl.constexpr = "",  # split rows: the weights' L2 eviction policy
 ):  # fmt: skip
     if FULL_ROW and SPLIT == 1:  # the width as a constant: the masks fold
         N = NUM_CHUNKS * BLOCK_N + TAIL_N
@@ -719,6 +721,6 @@ def _fused_norm_fwd_kernel(
                 xhat = (s - mean) * rstd
             _normalize_store(xhat, ccols, col_mask, row, W, B, Y, stride_y_row, W1, B1, Y1,
                              stride_y1_row, HAS_BIAS, HAS_W1, HAS_B1,
-                             ZERO_CENTERED_WEIGHT)  # fmt: skip
+                             ZERO_CENTERED_WEIGHT, NO_EVICT)  # fmt: skip
     if SEED_KEY is not None and SEEDS_LAST:
         _store_row_seeds(seeds_out, SEED_KEY, row0, M, SPLIT, ROWS_PER_PROGRAM, HAS_X1)

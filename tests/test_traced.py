@@ -1,0 +1,80 @@
+"""The torch.compile route (fused_norm/traced.py): its ops pass torch.library.opcheck (schema,
+fake tensors, AOT dispatch with dynamic shapes) and compute the reference's values, and a
+model compiled with dynamic shapes matches eager. On the GPU the ops are triton_ops that
+Inductor launches; under the interpreter (CPU) they are opaque custom ops run eagerly, through
+the same planning code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import DEVICE, INTERPRETED
+
+import fused_norm.traced  # noqa: F401  (registers torch.ops.fused_norm.fwd / bwd)
+from fused_norm import RMSNorm
+
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("the ops run on a GPU or in the Triton interpreter", allow_module_level=True)
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+
+def _by_schema(op, values: dict) -> dict:
+    """The op's arguments by name from its registered schema (None for optional ones not
+    given), so that a reordering of its parameters cannot silently feed the wrong values."""
+    kwargs = {}
+    for arg in op._schema.arguments:
+        if arg.name in values:
+            kwargs[arg.name] = values[arg.name]
+        elif isinstance(arg.type, torch.OptionalType):
+            kwargs[arg.name] = None
+        else:
+            pytest.fail(f"{op} has an argument this test does not know: {arg}")
+    return kwargs
+
+
+def test_ops_pass_opcheck_and_match_the_reference():
+    torch.manual_seed(0)
+    m, n, eps = 24, 96, 1e-5
+    x = torch.randn(m, n, device=DEVICE)
+    w, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    fwd = torch.ops.fused_norm.fwd.default
+    kwargs = _by_schema(fwd, dict(x=x, weight=w, bias=b, eps=eps, dropout_p=0.0,
+                                  is_rms_norm=False, zero_centered_weight=False,
+                                  store_residual_out=False, store_mask=False,
+                                  out_dtype=torch.float32, residual_dtype=torch.float32))  # fmt: skip
+    torch.library.opcheck(fwd, (), kwargs)
+    y, mean, rstd = fwd(**kwargs)  # no y1, stream or masks here
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y_ref = F.layer_norm(xr, (n,), wr, br, eps=eps)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mean, x.mean(-1), atol=1e-5, rtol=1e-5)
+    dy = torch.randn(m, n, device=DEVICE)
+    bwd = torch.ops.fused_norm.bwd.default
+    kwargs = _by_schema(bwd, dict(s=x, weight=w, bias=b, mean=mean, rstd=rstd, dy=dy,
+                                  dropout_p=0.0, is_rms_norm=False, zero_centered_weight=False,
+                                  x_dtype=torch.float32))  # fmt: skip
+    torch.library.opcheck(bwd, (), kwargs)
+    got = bwd(**kwargs)  # dx, then the gradients of weight and bias
+    for g, want in zip(got, torch.autograd.grad(y_ref, (xr, wr, br), dy)):
+        torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_shapes_compile_matches_eager():
+    """A symbolic row count or width: the plan is chosen for the concrete width, and a second
+    batch size reuses the graph."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    compiled = torch.compile(norm, backend="aot_eager", dynamic=True, fullgraph=True)
+    for m in (6, 11):
+        x = torch.randn(m, 64, device=DEVICE, requires_grad=True)
+        dy = torch.randn(m, 64, device=DEVICE)
+        y_c = compiled(x)
+        got = torch.autograd.grad(y_c, (x, norm.weight), dy)
+        y_e = norm(x)
+        want = torch.autograd.grad(y_e, (x, norm.weight), dy)
+        torch.testing.assert_close(y_c, y_e, atol=1e-5, rtol=1e-5)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
