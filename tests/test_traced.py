@@ -78,3 +78,32 @@ def test_dynamic_shapes_compile_matches_eager():
         torch.testing.assert_close(y_c, y_e, atol=1e-5, rtol=1e-5)
         for g, e in zip(got, want):
             torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_parameter_defaults_are_literals():
+    """Inductor copies a kernel's source (and its helpers') into its own module and then the
+    globals their bodies use, so a parameter default naming a global raises NameError there
+    (as ``EVICT = NO_EVICT`` did on the GPU): every default must be a literal."""
+    import ast
+    import inspect
+
+    import triton
+
+    from fused_norm import kernels
+
+    found = []
+    for module in (kernels.common, kernels.forward, kernels.backward):
+        for name, fn in vars(module).items():
+            # (a JITFunction, or the interpreter's InterpretedFunction: both wrap .fn)
+            inner = getattr(fn, "fn", None)
+            if isinstance(fn, triton.runtime.jit.KernelInterface) and (
+                getattr(inner, "__module__", None) == module.__name__
+            ):
+                found.append(name)
+                tree = ast.parse(inspect.getsource(inner).lstrip())
+                args = tree.body[0].args
+                for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
+                    assert isinstance(default, ast.Constant), (
+                        f"{module.__name__}.{name}: default {ast.unparse(default)!r} is not a literal"
+                    )
+    assert "_fused_norm_fwd_kernel" in found and "_fused_norm_bwd_kernel" in found
