@@ -35,7 +35,9 @@ CANCEL_RATIO = tl.constexpr(8.0)
 # Triton's interpreter runs a tl.reduce with a combine function element by element in Python:
 # slow, and a sequential sum, less accurate than the tree a GPU (or its numpy tl.sum) adds in.
 JOINT_SUMS = tl.constexpr(not INTERPRETED)
-# Triton's default L2 eviction policy of a load (a constexpr: a plain "" default is not one).
+# Triton's default L2 eviction policy of a load, passed explicitly to helpers (a constexpr: a
+# plain "" argument is not one). Never a parameter default: Inductor copies kernel sources
+# without the globals their defaults name (tests/test_traced.py).
 NO_EVICT = tl.constexpr("")
 
 
