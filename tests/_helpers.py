@@ -70,6 +70,15 @@ GRAD_NAMES = ("x", "weight", "bias", "residual", "x1", "weight1", "bias1", "laye
 EXAMPLE_COUNTS: collections.Counter = collections.Counter()
 
 
+def perturb_params(module, names=("",), scale: float = 0.1) -> None:
+    """Move the parameters whose qualified name contains one of ``names`` (default: all) off
+    their initial ones and zeros, where a swapped or ignored weight or bias would not show."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if any(k in name for k in names):
+                p.add_(scale * torch.randn_like(p))
+
+
 def count_example(test_name: str) -> None:
     """Record one hypothesis example of ``test_name`` (printed in the terminal summary)."""
     EXAMPLE_COUNTS[test_name] += 1

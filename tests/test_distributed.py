@@ -37,6 +37,7 @@ if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
 import torch.multiprocessing as mp  # noqa: E402
+from _helpers import perturb_params  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import (  # noqa: E402
     DTensor,
@@ -201,10 +202,7 @@ def _llama(device, fuse_residual):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_params(model, ("norm",))
     replace_norms(model, fuse_residual=fuse_residual)
     return model.to(device)
 
@@ -308,9 +306,7 @@ def _worker(rank, world, store_path, device_type):
         for make in (lambda: torch.nn.RMSNorm(N, eps=1e-5), lambda: torch.nn.LayerNorm(N)):
             torch.manual_seed(0)
             native = make().to(device)
-            with torch.no_grad():
-                for p in native.parameters():
-                    p.add_(0.1 * torch.randn_like(p))
+            perturb_params(native)
             fused = copy.deepcopy(native)
             replace_norms(fused)
             x = torch.randn(2, 4 * world, N, device=device)

@@ -29,6 +29,7 @@ import warnings
 
 import pytest
 import torch
+from _helpers import perturb_params
 from torch import nn
 
 transformers = pytest.importorskip(
@@ -79,10 +80,7 @@ def build(family: str, dtype=torch.float32, device="cpu", seed=0, **overrides) -
     config._attn_implementation = "eager"  # same attention code on every device and dtype
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_params(model, ("norm", ".ln_"))
     return model.to(device=device, dtype=dtype).train()
 
 
@@ -315,9 +313,7 @@ def test_torch_nn_norms(make, dtype, torch_backend):
     gradient cancels: a bf16 element can be 15% off in both); fp64 against torch's fp64."""
     torch.manual_seed(0)
     ref = make().to(dtype)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    perturb_params(ref)
     got = copy.deepcopy(ref)
     assert len(replace_norms(got)) == 1
     truth = copy.deepcopy(ref).double()
