@@ -27,23 +27,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+
+import host_cost as HC  # noqa: E402  (bench/host_cost.py: the timing, the workloads' steps)
 
 import fused_norm  # noqa: E402
 
 
-def per_call(step, calls=2000, repeats=7):
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
+def per_call(step, dev=None, calls=2000, repeats=7) -> float:
+    """Wall µs per call of back-to-back calls (bench/host_cost.py's median of repeats)."""
+    return HC.wall_per_call(step, dev or torch.device("cuda"), calls, repeats) * 1e6
 
 
 class _Empty(torch.autograd.Function):
@@ -58,34 +52,23 @@ class _Empty(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(w)
 
 
-def _gaps(residual, m, n, dev, calls=30):
+def _gaps(wl, m, n, dev, fused, calls=30):
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    res = torch.randn(m, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.ones(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    leaves = (x, res, w) if residual else (x, w)
-
-    def step():
-        if residual:
-            y, s = fused_norm.rms_norm_fn(x, w, None, residual=res, prenorm=True)
-            return torch.autograd.grad((y, s), leaves, (dy, dy))
-        return torch.autograd.grad(fused_norm.rms_norm_fn(x, w, None), leaves, dy)
-
-    wall = per_call(step, calls, 5)
+    step = HC.make_step(fused, HC.B.WORKLOADS[wl], "bf16", m, n, dev, "fwd+bwd")
+    wall = per_call(step, dev, calls, 5)
     enq = []
     for _ in range(5):
-        torch.cuda.synchronize()
+        HC.sync(dev)
         t = time.perf_counter()
         for _ in range(calls):
             step()
         enq.append((time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
+        HC.sync(dev)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             step()
-        torch.cuda.synchronize()
+        HC.sync(dev)
     kern = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -95,7 +78,6 @@ def _gaps(residual, m, n, dev, calls=30):
     gaps = sorted(((b[0] - a[1], b[2][:40]) for a, b in zip(kern, kern[1:])), reverse=True)
     idle = sum(g for g, _ in gaps if g > 0)
     top = "; ".join(f"{g:.0f} {name}" for g, name in gaps[:3])
-    wl = "add_rms" if residual else "rms"
     return (
         f"| {wl} | {m} × {n} | {wall:.1f} | {statistics.median(enq):.1f} | "
         f"{busy / calls:.1f} | {idle / calls:.1f} | {top} |"
@@ -169,9 +151,10 @@ def main():
     lines += ["", "## fwd+bwd at M·N = 2**27, bf16 (µs per call)", "",
               "| workload | M × N | wall | enqueue | kernels | idle between kernels | "
               "longest gaps before |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for residual in (False, True):
+    fused = HC.B.load_providers(["fused_norm"])[0][0]
+    for wl in ("rms", "add_rms"):
         for n in (4096, 16384, 65536, 262144):
-            lines.append(_gaps(residual, 2**27 // n, n, dev))
+            lines.append(_gaps(wl, 2**27 // n, n, dev, fused))
             print(lines[-1], flush=True)
     (out / "host_floor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-60:]))
