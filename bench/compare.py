@@ -10,18 +10,21 @@ the median within 1).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import report  # noqa: E402  (bench/report.py: the results CSV's reader)
 
 
 def _rows(path) -> dict:
-    out = {}
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            if r["kind"] == "bw" and r["provider"] == "fused_norm" and r.get("pct_copy"):
-                out[(r["workload"], r["mode"], r["dtype"], int(r["N"]))] = float(r["pct_copy"])
-    return out
+    return {
+        (r["workload"], r["mode"], r["dtype"], r["N"]): r["pct_copy"]
+        for r in report.read_csv(path)
+        if r["kind"] == "bw" and r["provider"] == "fused_norm" and "pct_copy" in r
+    }
 
 
 def compare(new_csv, old_csv, bar: float) -> str:
