@@ -203,7 +203,10 @@ def main():
     out = Path(args.out)
     if out.name == "auto":
         gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-        out = out.parent / f"{env['date'][:10]}_{gpu}_torch{torch.__version__.split('+')[0]}_triton{triton.__version__}_host"
+        out = (
+            out.parent
+            / f"{env['date'][:10]}_{gpu}_torch{torch.__version__.split('+')[0]}_triton{triton.__version__}_host"
+        )
     out.mkdir(parents=True, exist_ok=True)
     providers, missing = B.load_providers(args.providers.split(","))
     t0 = time.perf_counter()

@@ -10,13 +10,14 @@ first forward that records a graph. ``traced_forward`` / ``traced_backward`` ser
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Optional
 
 import torch
 from triton.runtime.errors import OutOfResources
 
+from . import fast_path, launch, workspace
 from . import heuristics as H
-from . import launch, workspace
 from .checks import Flags, row_stride
 from .kernels import (
     HOPPER_AVAILABLE,
@@ -33,6 +34,10 @@ else:
 
 Tensor = torch.Tensor
 INTERPRETED = H.INTERPRETED
+# The C++ fast path (None where it is not built or not enabled): calls of a signature try this
+# many times to record one that it can replay.
+_FAST = fast_path.module() if launch.DIRECT else None
+RECORD_TRIES = 3
 SUMS_WARPS = 8  # the row-sums pre-pass: 2K-column chunks on 8 warps read at copy speed
 PARTIALS_SUM_WARPS = 4
 
@@ -202,8 +207,20 @@ def _ordered(names, constexprs) -> tuple:
     return tuple(constexprs[k] for k in names)
 
 
-def _ptr(t) -> Optional[int]:
-    return None if t is None else t.data_ptr()
+def _empty(shape, dtype, dev) -> Tensor:
+    """``torch.empty``, logged where a call is being recorded for the C++ fast path."""
+    t = torch.empty(shape, dtype=dtype, device=dev)
+    rec = fast_path.current()
+    if rec is not None:
+        rec.allocs.append(t)
+    return t
+
+
+def _refuse(why: str) -> None:
+    """The call being recorded (if any) cannot be replayed by the C++ fast path."""
+    rec = fast_path.current()
+    if rec is not None:
+        rec.refuse(why)
 
 
 class _Launch:
@@ -233,7 +250,11 @@ class _Launch:
                     compiled(torch._C._cuda_getCurrentRawStream(dev.index), a)
             else:
                 compiled(torch._C._cuda_getCurrentRawStream(dev.index), a)
+            rec = fast_path.current()
+            if rec is not None:
+                rec.launches.append((compiled, args, self.values))
             return
+        _refuse("a launch through kernel[grid]")
         k = launch.launch(self.kernel, self.grid, self.dev, args, self.constexprs, self.opts)
         if launch.DIRECT and self.dev.type == "cuda" and k is not None and self.values:
             self.ptrs = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor)]
@@ -314,19 +335,76 @@ class KernelCall:
         self.bwd_aligned = s_aligned and self.s_stride % 16 == 0
         if graph:  # decide the backward now, and compile it while the forward compiles
             self._bwd_for(f.prenorm, warm=True)
+        # The C++ fast path: recorded from one of the next Python-path calls (the first
+        # compiles, so its launches do not go direct).
+        self.fast = None
+        self.not_fast = None  # why the last recording could not be replayed
+        self.tries = RECORD_TRIES if _FAST is not None and self.dev.type == "cuda" else 0
+        self.bwd_tries = [RECORD_TRIES, RECORD_TRIES]
 
     def __call__(self, *tensors):
+        fast = self.fast
+        if fast is not None:
+            if not launch.hooked():
+                outs = _FAST.call(fast, [tensors[i] for i in self.inputs])
+                if outs:  # (empty: this call takes the Python path)
+                    return self._full(outs)
+        elif self.tries:
+            return self._record(tensors)
+        return self._python(tensors)
+
+    def _python(self, tensors):
         if not self.graph:
             return self.forward(None, *tensors)
         # Through autograd with the tensors given and the outputs made only: each argument and
         # output of an autograd Function costs host time.
         outs = self.apply(self, *[tensors[i] for i in self.inputs])
-        if self.one_output:
-            return outs, None, None, None, None
+        return self._full((outs,) if self.one_output else outs)
+
+    def _full(self, outs):
+        """``(y, y1, residual_out, mask, mask1)`` from the outputs made."""
         full = [None] * 5
         for i, t in zip(self.outputs, outs):
             full[i] = t
         return full
+
+    # ---------------------------------------------------------------------- the C++ fast path
+
+    def _record(self, tensors):
+        """A Python-path call, recorded; from it, the C++ recipe of this signature's forward
+        (its backward is recorded at the first backward the recipe cannot serve)."""
+        self.tries -= 1
+        with fast_path.Recording() as rec:
+            result = self._python(tensors)
+        try:
+            given = [tensors[i] for i in self.inputs]
+            allocs, launches, outputs = fast_path.stage(rec, given, rec.outputs or ())
+            slots = given + rec.allocs
+            saved = [-1 if t is None else fast_path._slot(t, slots) for t in rec.saved or ()]
+            out_info = [(list(t.shape), t.dtype) for t in rec.outputs]
+            stream = self.outputs.index(2) if self.graph and self.flags.prenorm else -1
+            self.fast = _FAST.Recipe(self.dev.index, self.graph, len(given), allocs, launches,
+                                     outputs, saved, out_info, stream, weakref.ref(self))  # fmt: skip
+            self.tries = 0
+        except fast_path.Unservable as exc:
+            self.not_fast = str(exc)
+        return result
+
+    def fast_backward(self, saved, grads):
+        """The C++ node's backward where its recipe has none for these gradients: the Python
+        path's, recorded for the next ones."""
+        ctx = _Saved(saved)
+        variant = int(self.flags.prenorm and grads[self.outputs.index(2)] is not None)
+        if self.fast is None or self.fast.has_backward(variant) or not self.bwd_tries[variant]:
+            return self.backward_graph(ctx, *grads)
+        self.bwd_tries[variant] -= 1
+        with fast_path.Recording() as rec:
+            result = self.backward_graph(ctx, *grads)
+        try:
+            self.fast.set_backward(variant, *fast_path.stage(rec, [*saved, *grads], result))
+        except fast_path.Unservable as exc:
+            self.not_fast = str(exc)
+        return result
 
     # ------------------------------------------------------------------------------- forward
 
@@ -371,33 +449,41 @@ class KernelCall:
         if rowscale is not None and not self.rowscale_contig:
             rowscale = rowscale.contiguous()
         shape = self.shape
-        y = out if out is not None else torch.empty(shape, dtype=f.out_dtype, device=dev)
-        y1 = torch.empty(shape, dtype=f.out_dtype, device=dev) if weight1 is not None else None
+        y = out if out is not None else _empty(shape, f.out_dtype, dev)
+        y1 = _empty(shape, f.out_dtype, dev) if weight1 is not None else None
         s = None
         if self.store_res:
-            s = residual_out if residual_out is not None else torch.empty(
-                shape, dtype=f.residual_dtype, device=dev)  # fmt: skip
-        mean = None if f.is_rms_norm else torch.empty((m,), dtype=torch.float32, device=dev)
-        rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+            s = residual_out if residual_out is not None else _empty(shape, f.residual_dtype, dev)
+        mean = None if f.is_rms_norm else _empty((m,), torch.float32, dev)
+        rstd = _empty((m,), torch.float32, dev)
         seeds = mask = mask1 = None
         if self.dropout:
-            seeds = torch.empty((2 * m if x1 is not None else m,), dtype=torch.int64, device=dev)
+            seeds = _empty((2 * m if x1 is not None else m,), torch.int64, dev)
             if self.store_mask:
-                mask = torch.empty(shape, dtype=torch.bool, device=dev)
-                mask1 = torch.empty(shape, dtype=torch.bool, device=dev) if x1 is not None else None
+                _refuse("dropout masks returned")
+                mask = _empty(shape, torch.bool, dev)
+                mask1 = _empty(shape, torch.bool, dev) if x1 is not None else None
         if m:
             self._launch_fwd(x2, x_rs, weight, bias, res2, res_rs, x12, x1_rs, weight1, bias1,
                              rowscale, layerscale, seeds, y, y1, s, mean, rstd, mask, mask1)  # fmt: skip
+        rec = fast_path.current()
         if ctx is not None:
             # (a caller's residual_out is saved itself: it is marked dirty below)
-            saved_s = x2 if self.s_is_x else s
-            ctx.save_for_backward(saved_s, weight, bias, weight1, bias1, rowscale, layerscale,
-                                  seeds, mean, rstd, x2 if layerscale is not None else None)  # fmt: skip
+            saved = (x2 if self.s_is_x else s, weight, bias, weight1, bias1, rowscale, layerscale,
+                     seeds, mean, rstd, x2 if layerscale is not None else None)  # fmt: skip
+            ctx.save_for_backward(*saved)
             ctx.call = self
             dirty = [t for t in (out, residual_out) if t is not None]
             if dirty:
                 ctx.mark_dirty(*dirty)
-        return y, y1, s if f.prenorm else None, mask, mask1
+            if rec is not None:
+                rec.saved = saved
+        outs = (y, y1, s if f.prenorm else None, mask, mask1)
+        if rec is not None:
+            if out is not None or residual_out is not None:
+                rec.refuse("caller buffers")
+            rec.outputs = [outs[i] for i in self.outputs]
+        return outs
 
     def _launch_fwd(self, x, x_rs, weight, bias, residual, res_rs, x1, x1_rs, weight1, bias1,
                     rowscale, layerscale, seeds, y, y1, s, mean, rstd, mask, mask1):  # fmt: skip
@@ -406,6 +492,7 @@ class KernelCall:
         if seeds is not None:
             key = dropout_key(dev) if plan.seeds_from_key else None
             if key is None:
+                _refuse("dropout seeds drawn by torch")
                 draw_seeds(seeds.shape[0], dev, out=seeds)
         ws = ws_next = pair = None
         if plan.split > 1:
@@ -454,6 +541,15 @@ class KernelCall:
         if self.has[2] and dx1 is None:
             dx1 = dx
         return dx, dw, db, dres, dx1, dw1, db1, None, dls, None, None
+
+
+class _Saved:
+    """The ``ctx`` of a backward that the C++ node hands to the Python path."""
+
+    __slots__ = ("saved_tensors",)
+
+    def __init__(self, saved):
+        self.saved_tensors = tuple(saved)
 
 
 def _grad(g, shape, dtype, dev):
@@ -631,22 +727,22 @@ class _BwdLaunches:
                  rowscale, seeds):  # fmt: skip
         m, n, dev, call = self.m, self.n, self.dev, self.call
         shape = call.shape
-        dx = torch.empty(shape, dtype=self.dtypes["x"], device=dev)
-        dres = torch.empty(shape, dtype=self.dtypes["res"], device=dev) if self.own_dres else None
-        dx1 = torch.empty(shape, dtype=self.dtypes["x1"], device=dev) if self.own_dx1 else None
+        dx = _empty(shape, self.dtypes["x"], dev)
+        dres = _empty(shape, self.dtypes["res"], dev) if self.own_dres else None
+        dx1 = _empty(shape, self.dtypes["x1"], dev) if self.own_dx1 else None
         if m == 0:
             grads = [torch.zeros((n,), dtype=d, device=dev) for d in self.params]
             return dx, dres, dx1, grads
         if self.programs is None:
             self._prepare()
         programs, plan = self.programs, self.plan
-        parts = torch.empty((len(self.params), programs, n), dtype=torch.float32, device=dev)
-        grads = [torch.empty((n,), dtype=d, device=dev) for d in self.params]
+        parts = _empty((len(self.params), programs, n), torch.float32, dev)
+        grads = [_empty((n,), d, dev) for d in self.params]
         c12 = ws_next = pair = None
         if plan.exchange:  # words of the row sums, -1 until published
             c12, ws_next, pair = workspace.take(dev, m * plan.chunks, -1)
         elif plan.chunks > 1:
-            c12 = torch.empty((m, 2), dtype=torch.float32, device=dev)
+            c12 = _empty((m, 2), torch.float32, dev)
         t = (s, weight, weight1, mean, rstd, dy, dy1, dres_out, x0, layerscale, rowscale, seeds,
              dx, dx1, dres, parts, c12, ws_next)  # fmt: skip
         g = grads + [None] * (5 - len(grads))

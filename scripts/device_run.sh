@@ -23,6 +23,12 @@ step() {  # name, seconds, command...
 }
 for s in "$@"; do
   case $s in
+    fpbuild) step fpbuild 240 python3 -m fused_norm.build ;;
+    fptest) step fptest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fast_path.py ;;
+    hostfast) FUSED_NORM_FAST_PATH=1 step hostfast 200 python3 bench/host_cost.py --out "$OUT/hostfast" ;;
+    floorfast) FUSED_NORM_FAST_PATH=1 step floorfast 150 python3 -u bench/host_floor.py --out "$OUT/floorfast" ;;
+    gptfast) FUSED_NORM_FAST_PATH=1 step gptfast 420 python3 examples/bench_gpt.py "$OUT/gptfast.md" ;;
+    gputestfast) FUSED_NORM_FAST_PATH=1 step gputestfast 420 bash scripts/gpu_test.sh "$OUT/gputestfast" ;;
     smoke) step smoke 240 python3 scripts/gpu_smoke.py ;;
     smokeq) step smoke 150 python3 scripts/gpu_smoke.py --quick ;;
     compile) step compile 170 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --junitxml="$OUT/junit-compile.xml" \

@@ -1,0 +1,386 @@
+// The C++ fast path of fused_norm's eager calls (fused_norm/fast_path.py builds and loads it).
+//
+// A Recipe replays what the Python path did for one call signature: which tensors it allocated,
+// and each kernel launch with its parameters, the tensors' addresses filled in per call. The
+// forward and backward run as a C++ autograd Function whose backward needs neither Python nor
+// the GIL. Kernels are launched with the CUDA driver's cuLaunchKernel, looked up in libcuda at
+// first use, so the build needs only torch's headers.
+//
+// Slots: every tensor a call touches has a slot. Forward: the tensors given, then the forward's
+// allocations. Backward: the tensors saved by the forward, then the incoming gradient of each
+// forward output, then the backward's allocations.
+
+#include <torch/extension.h>
+
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ------------------------------------------------------------------------------ the driver
+
+using CUresult = int;
+struct Driver {
+  CUresult (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                     void*, void**, void**) = nullptr;
+  CUresult (*ctx_get)(void**) = nullptr;
+  CUresult (*ctx_set)(void*) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_retain)(void**, int) = nullptr;
+  CUresult (*is_capturing)(void*, int*) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  std::string error;
+};
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.error = std::string("cannot open libcuda.so.1: ") + dlerror();
+      return d;
+    }
+    auto find = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr && d.error.empty()) d.error = std::string("libcuda has no ") + name;
+    };
+    find(d.launch, "cuLaunchKernel");
+    find(d.ctx_get, "cuCtxGetCurrent");
+    find(d.ctx_set, "cuCtxSetCurrent");
+    find(d.device_get, "cuDeviceGet");
+    find(d.primary_retain, "cuDevicePrimaryCtxRetain");
+    find(d.is_capturing, "cuStreamIsCapturing");
+    find(d.error_string, "cuGetErrorString");
+    return d;
+  }();
+  TORCH_CHECK(d.error.empty(), "fused_norm fast path: ", d.error);
+  return d;
+}
+
+void check(CUresult err, const char* what) {
+  if (err == 0) return;
+  const char* msg = nullptr;
+  driver().error_string(err, &msg);
+  TORCH_CHECK(false, "fused_norm fast path: ", what, " failed: ", msg ? msg : "unknown error",
+              " (CUresult ", err, ")");
+}
+
+// The driver launches in the calling thread's current context: the device's primary context,
+// made current here where the thread has none yet (as Triton's launcher does).
+void ensure_context(int device) {
+  const Driver& d = driver();
+  void* ctx = nullptr;
+  check(d.ctx_get(&ctx), "cuCtxGetCurrent");
+  if (ctx != nullptr) return;
+  int dev = 0;
+  check(d.device_get(&dev, device), "cuDeviceGet");
+  check(d.primary_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(d.ctx_set(ctx), "cuCtxSetCurrent");
+}
+
+const c10::impl::DeviceGuardImplInterface* cuda_impl() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+void* current_stream(int device) {
+  auto* impl = cuda_impl();
+  return impl->getStreamNativeHandle(
+      impl->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))));
+}
+
+// The dropout key of an eager call: ops.dropout_key's arithmetic on the device's generator
+// (its seed and offset mixed by SplitMix64, the offset advanced by 4), so that both paths
+// draw the same masks from the same generator state.
+int64_t dropout_key(int device) {
+  at::Generator gen = at::globalContext().defaultGenerator(
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  uint64_t seed, offset;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    offset = gen.get_offset();
+    gen.set_offset(offset + 4);
+    seed = gen.current_seed();
+  }
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL + offset;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z = (z ^ (z >> 31)) >> 1;
+  const uint64_t low = 1ULL << 31;
+  return static_cast<int64_t>(z >= low ? z : z + low);
+}
+
+// ------------------------------------------------------------------------------ the recipe
+
+struct Launch {
+  void* function = nullptr;
+  std::array<unsigned, 3> grid{1, 1, 1};
+  unsigned threads = 32, shared = 0;
+  std::vector<uint64_t> cells;            // every kernel parameter, scalars packed
+  std::vector<std::pair<int, int>> ptrs;  // (parameter, slot): addresses filled per call
+  int key = -1;                           // the parameter that takes the dropout key, or -1
+};
+
+struct Alloc {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
+struct Stage {
+  std::vector<Alloc> allocs;
+  std::vector<Launch> launches;
+  std::vector<int> results;  // slots returned (-1: None)
+
+  void run(std::vector<Tensor>& slots, int device, int64_t key) const {
+    const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    const c10::DeviceGuard guard(dev);
+    const auto options = at::TensorOptions().device(dev);
+    for (const Alloc& a : allocs) slots.push_back(at::empty(a.shape, options.dtype(a.dtype)));
+    if (launches.empty()) return;
+    ensure_context(device);
+    void* stream = current_stream(device);
+    const Driver& d = driver();
+    std::vector<uint64_t> cells;
+    std::vector<void*> params;
+    for (const Launch& l : launches) {
+      cells = l.cells;
+      for (const auto& [param, slot] : l.ptrs) {
+        const Tensor& t = slots[slot];
+        cells[param] = t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
+      }
+      if (l.key >= 0) cells[l.key] = static_cast<uint64_t>(key);
+      params.resize(cells.size());
+      for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
+      check(d.launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared,
+                     stream, params.data(), nullptr),
+            "cuLaunchKernel");
+    }
+  }
+
+  variable_list take(const std::vector<Tensor>& slots) const {
+    variable_list out;
+    out.reserve(results.size());
+    for (int s : results) out.push_back(s >= 0 ? slots[s] : Tensor());
+    return out;
+  }
+};
+
+// A Python object held from C++ (whose last reference may go in an autograd thread).
+struct PyRef : torch::CustomClassHolder {
+  py::object obj;
+  explicit PyRef(py::object o) : obj(std::move(o)) {}
+  ~PyRef() override {
+    if (!Py_IsInitialized()) {
+      obj.release();  // the interpreter is gone: nothing to give back
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    obj = py::object();
+  }
+};
+
+struct Recipe : torch::CustomClassHolder {
+  int device = 0;
+  bool graph = false;    // the call records an autograd graph
+  bool has_key = false;  // the forward takes a dropout key
+  Stage fwd;             // results: the outputs
+  std::vector<int> saved;                 // forward slots saved for the backward (-1: None)
+  std::vector<Alloc> out_info;            // each output's shape and dtype
+  int stream_output = -1;                 // the output whose gradient picks the backward
+  std::array<Stage, 2> bwd;               // by whether that gradient came in
+  std::array<std::atomic<bool>, 2> bwd_ready{false, false};  // set once bwd[i] is complete
+  // A weak reference to the Python call object, whose backward serves what bwd cannot: a graph
+  // whose backward is not recorded yet holds it strongly (no cycle through the call object).
+  c10::intrusive_ptr<PyRef> owner;
+
+  bool ready(int variant) const { return bwd_ready[variant].load(std::memory_order_acquire); }
+  bool backward_ready() const { return ready(0) && (stream_output < 0 || ready(1)); }
+
+  variable_list forward(at::TensorList given, std::vector<Tensor>& slots) const {
+    slots.assign(given.begin(), given.end());
+    fwd.run(slots, device, has_key ? dropout_key(device) : 0);
+    return fwd.take(slots);
+  }
+
+  variable_list backward(const variable_list& saved_now, variable_list grads,
+                         const c10::intrusive_ptr<PyRef>& strong) const {
+    const int variant = stream_output >= 0 && grads[stream_output].defined() ? 1 : 0;
+    bool plain = ready(variant);
+    for (size_t k = 0; plain && k < grads.size(); ++k) {
+      Tensor& g = grads[k];
+      if (!g.defined()) {
+        if (static_cast<int>(k) != stream_output) {
+          g = at::zeros(out_info[k].shape, at::TensorOptions()
+                                                .dtype(out_info[k].dtype)
+                                                .device(c10::DeviceType::CUDA, device));
+        }
+      } else if (g.scalar_type() != out_info[k].dtype || g.device().index() != device) {
+        plain = false;
+      } else if (!g.is_contiguous() || reinterpret_cast<uintptr_t>(g.data_ptr()) % 16) {
+        g = g.clone(at::MemoryFormat::Contiguous);
+      }
+    }
+    if (!plain) return python_backward(saved_now, grads, strong);
+    std::vector<Tensor> slots(saved_now.begin(), saved_now.end());
+    slots.insert(slots.end(), grads.begin(), grads.end());
+    bwd[variant].run(slots, device, 0);
+    return bwd[variant].take(slots);
+  }
+
+  // The Python path's backward (which records this variant where it can).
+  variable_list python_backward(const variable_list& saved_now, const variable_list& grads,
+                                const c10::intrusive_ptr<PyRef>& strong) const {
+    py::gil_scoped_acquire gil;
+    py::object call = strong ? strong->obj : owner->obj();
+    TORCH_CHECK(!call.is_none(), "fused_norm fast path: the call's plan is gone");
+    py::list s, g;
+    for (const Tensor& t : saved_now) s.append(t.defined() ? py::cast(t) : py::none());
+    for (const Tensor& t : grads) g.append(t.defined() ? py::cast(t) : py::none());
+    py::object result = call.attr("fast_backward")(s, g);
+    variable_list out;
+    for (py::handle item : result) {
+      out.push_back(item.is_none() ? Tensor() : item.cast<Tensor>());
+    }
+    return out;
+  }
+};
+
+struct FusedNormFn : torch::autograd::Function<FusedNormFn> {
+  static variable_list forward(AutogradContext* ctx, const c10::intrusive_ptr<Recipe>& r,
+                               at::TensorList given) {
+    std::vector<Tensor> slots;
+    variable_list outs = r->forward(given, slots);
+    variable_list to_save;
+    to_save.reserve(r->saved.size());
+    for (int s : r->saved) to_save.push_back(s >= 0 ? slots[s] : Tensor());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["recipe"] = c10::IValue::make_capsule(r);
+    if (!r->backward_ready()) {  // called from Python: the GIL is held
+      ctx->saved_data["owner"] = c10::IValue::make_capsule(
+          c10::make_intrusive<PyRef>(r->owner->obj()));
+    }
+    ctx->set_materialize_grads(false);
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto r = c10::static_intrusive_pointer_cast<Recipe>(ctx->saved_data["recipe"].toCapsule());
+    c10::intrusive_ptr<PyRef> strong;
+    auto it = ctx->saved_data.find("owner");
+    if (it != ctx->saved_data.end()) {
+      strong = c10::static_intrusive_pointer_cast<PyRef>(it->second.toCapsule());
+    }
+    variable_list out = r->backward(ctx->get_saved_variables(), std::move(grads), strong);
+    out.insert(out.begin(), Tensor());  // the recipe's
+    return out;
+  }
+};
+
+Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
+                   std::vector<uint64_t> cells, std::vector<std::pair<int, int>> ptrs, int key) {
+  TORCH_CHECK(grid.size() == 3, "grid: 3 dimensions");
+  for (const auto& [param, slot] : ptrs) {
+    TORCH_CHECK(param >= 0 && param < static_cast<int>(cells.size()) && slot >= 0,
+                "pointer parameter out of range");
+  }
+  TORCH_CHECK(key < static_cast<int>(cells.size()), "key parameter out of range");
+  Launch l;
+  l.function = reinterpret_cast<void*>(function);
+  for (int i = 0; i < 3; ++i) l.grid[i] = static_cast<unsigned>(grid[i]);
+  l.threads = static_cast<unsigned>(threads);
+  l.shared = static_cast<unsigned>(shared);
+  l.cells = std::move(cells);
+  l.ptrs = std::move(ptrs);
+  l.key = key;
+  return l;
+}
+
+// A stage from Python's lists (fast_path.stage), its slots checked against the ``known`` slots
+// that come before its allocations.
+Stage make_stage(size_t known, const py::list& allocs, const py::list& launches,
+                 std::vector<int> results) {
+  Stage st;
+  for (py::handle a : allocs) {
+    auto pair = a.cast<std::pair<std::vector<int64_t>, at::ScalarType>>();
+    st.allocs.push_back({pair.first, pair.second});
+  }
+  for (py::handle l : launches) {
+    auto t = l.cast<py::tuple>();
+    st.launches.push_back(make_launch(
+        t[0].cast<int64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int64_t>(),
+        t[3].cast<int64_t>(), t[4].cast<std::vector<uint64_t>>(),
+        t[5].cast<std::vector<std::pair<int, int>>>(), t[6].cast<int>()));
+  }
+  st.results = std::move(results);
+  const int slots = static_cast<int>(known + st.allocs.size());
+  for (const Launch& l : st.launches) {
+    for (const auto& [param, slot] : l.ptrs) TORCH_CHECK(slot < slots, "slot out of range");
+  }
+  for (int s : st.results) TORCH_CHECK(s < slots, "result slot out of range");
+  return st;
+}
+
+// The entry point of an eager call: its outputs, or an empty list where this call must take
+// the Python path (another current device; a dropout key under CUDA graph capture, where a key
+// baked into the graph would repeat at every replay).
+variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> given) {
+  if (cuda_impl()->getDevice().index() != r->device) return {};
+  if (r->has_key) {
+    int status = 0;
+    check(driver().is_capturing(current_stream(r->device), &status), "cuStreamIsCapturing");
+    if (status != 0) return {};
+  }
+  if (r->graph) return FusedNormFn::apply(r, at::TensorList(given));
+  std::vector<Tensor> slots;
+  return r->forward(given, slots);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Recipe, c10::intrusive_ptr<Recipe>>(m, "Recipe")
+      .def(py::init([](int device, bool graph, size_t n_given, const py::list& allocs,
+                       const py::list& launches,
+                       std::vector<int> outputs, std::vector<int> saved,
+                       std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> out_info,
+                       int stream_output, py::object owner) {
+             auto r = c10::make_intrusive<Recipe>();
+             r->device = device;
+             r->graph = graph;
+             r->fwd = make_stage(n_given, allocs, launches, std::move(outputs));
+             for (const Launch& l : r->fwd.launches) r->has_key |= l.key >= 0;
+             for (int slot : saved) {
+               TORCH_CHECK(slot < static_cast<int>(n_given + r->fwd.allocs.size()),
+                           "saved slot out of range");
+             }
+             r->saved = std::move(saved);
+             for (auto& [shape, dtype] : out_info) r->out_info.push_back({shape, dtype});
+             r->stream_output = stream_output;
+             r->owner = c10::make_intrusive<PyRef>(std::move(owner));
+             return r;
+           }))
+      .def("set_backward",
+           [](Recipe& r, int variant, const py::list& allocs, const py::list& launches,
+              std::vector<int> grads) {
+             TORCH_CHECK(variant == 0 || variant == 1, "variant: 0 or 1");
+             if (r.ready(variant)) return;  // recorded once; readers may be using it
+             r.bwd[variant] = make_stage(r.saved.size() + r.out_info.size(), allocs, launches,
+                                         std::move(grads));
+             r.bwd_ready[variant].store(true, std::memory_order_release);
+           })
+      .def("has_backward", [](const Recipe& r, int variant) { return r.ready(variant); });
+  m.def("call", &call, "An eager call through a recipe (empty: take the Python path)");
+  m.def("dropout_key", &dropout_key, "The dropout key ops.dropout_key would take (tests)");
+}

@@ -1,0 +1,159 @@
+"""The C++ fast path's host side (fused_norm/fast_path.py), on CPU: how a recorded call becomes a
+recipe (kernel parameters packed as Triton's launcher packs them, each tensor argument mapped
+to the slot that holds it, a call that cannot be replayed refused), what ops records of a real
+call, and that the extension compiles against this torch. Its launches and autograd node run
+on a GPU only: tests/gpu/test_gpu_fast_path.py compares them with the Python path bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _helpers import DEVICE
+
+from fused_norm import fast_path, functional, layer_norm_fn, ops
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    ops.clear_plans()
+    yield
+    ops.clear_plans()
+
+
+@pytest.mark.parametrize(
+    "ty,value,expected",
+    [
+        ("i32", 7, 7),
+        ("i32", -1, 0xFFFFFFFF),
+        ("i64", -2, 2**64 - 2),
+        ("i64", 2**40 + 3, 2**40 + 3),
+        ("u64", 2**63 + 5, 2**63 + 5),
+        ("i1", True, 1),
+        ("fp32", 1.5, struct.unpack("<I", struct.pack("<f", 1.5))[0]),
+        ("fp32", 1e-6, struct.unpack("<I", struct.pack("<f", 1e-6))[0]),
+        ("fp64", -0.25, struct.unpack("<Q", struct.pack("<d", -0.25))[0]),
+    ],
+)
+def test_scalar_parameters_pack_as_tritons_launcher_does(ty, value, expected):
+    assert fast_path.pack(ty, value) == expected
+
+
+def test_unknown_parameter_type_is_refused():
+    with pytest.raises(fast_path.Unservable):
+        fast_path.pack("bf16", 1.0)
+
+
+def _compiled(signature, num_warps=4, shared=1024, **md):
+    """A stand-in for launch.Compiled: a kernel with a signature and metadata."""
+    meta = SimpleNamespace(num_warps=num_warps, shared=shared, num_ctas=1, **md)
+    kernel = SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=meta)
+    return SimpleNamespace(kernel=kernel, function=0xABC, grid=(5, 2, 1))
+
+
+SIG = {"X": "*bf16", "Y": "*bf16", "B": "constexpr", "stride": "i32", "eps": "fp32",
+       "SEED_KEY": "i64", "M": "i64", "BLOCK_N": "constexpr"}  # fmt: skip
+
+
+def test_a_recorded_launch_becomes_cells_pointers_and_the_key():
+    x, y = torch.zeros(2, 4), torch.zeros(2, 4)
+    rec = fast_path.Recording()
+    rec.allocs.append(y)
+    # runtime arguments in the kernel's order, then the constexpr values
+    rec.launches.append((_compiled(SIG), (x, y, None, 4, 1e-5, 2**40, 2**33), (1024,)))
+    allocs, launches, results = fast_path.stage(rec, [x], [y])
+    assert allocs == [([2, 4], torch.float32)]
+    assert results == [1]
+    function, grid, threads, shared, cells, ptrs, key = launches[0]
+    assert (function, grid, threads, shared) == (0xABC, [5, 2, 1], 128, 1024)
+    # X, Y, stride, eps, SEED_KEY, M, and Triton's two scratch pointers; constexprs dropped
+    assert len(cells) == 8 and cells[-2:] == [0, 0]
+    assert ptrs == [(0, 0), (1, 1)]
+    assert key == 4 and cells[4] == 0
+    assert cells[2] == 4 and cells[3] == fast_path.pack("fp32", 1e-5) and cells[5] == 2**33
+
+
+def test_the_same_view_through_another_object_finds_its_slot():
+    x = torch.zeros(3, 4)
+    rec = fast_path.Recording()
+    alias = x.view(3, 4)
+    rec.launches.append((_compiled({"X": "*fp32"}), (alias,), ()))
+    _, launches, _ = fast_path.stage(rec, [x], [])
+    assert launches[0][5] == [(0, 0)]
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["copy", "signature", "scratch", "clusters", "refused"],
+)
+def test_what_cannot_be_replayed_is_refused(why):
+    x = torch.zeros(2, 4)
+    rec = fast_path.Recording()
+    sig, md, arg = {"X": "*fp32"}, {}, x
+    if why == "copy":
+        arg = x.clone()  # a tensor no slot holds
+    elif why == "signature":
+        sig = {"X": "*fp32", "n": "i32"}  # one argument for two parameters
+    elif why == "scratch":
+        md = {"global_scratch_size": 64}
+    elif why == "clusters":
+        md = {"num_ctas": 2}
+    else:
+        rec.refuse("dropout seeds drawn by torch")
+    compiled = _compiled(sig)
+    compiled.kernel.metadata.__dict__.update(md)
+    rec.launches.append((compiled, (arg,), ()))
+    with pytest.raises(fast_path.Unservable):
+        fast_path.stage(rec, [x], [])
+
+
+def test_ops_records_allocations_saved_tensors_and_outputs():
+    """A real call under a Recording: its outputs are allocations, what it saves is given or
+    allocated, and a launch that does not go direct (the first, or the interpreter's) refuses
+    the recording."""
+    m, n = 6, 32
+    x = torch.randn(m, n, device=DEVICE, requires_grad=True)
+    w = torch.randn(n, device=DEVICE, requires_grad=True)
+    res = torch.randn(m, n, device=DEVICE)
+    with fast_path.Recording() as rec:
+        y, s = layer_norm_fn(x, w, None, residual=res, prenorm=True, dropout_p=0.2)
+    assert fast_path.current() is None
+    call = next(iter(functional._CALLS.values()))
+    if not isinstance(call, ops.KernelCall):
+        pytest.skip("the PyTorch path served this call (FUSED_NORM_BACKEND)")
+    assert rec.bad  # interpreter / first compile: launched through kernel[grid]
+    assert [id(t) for t in rec.outputs] == [id(y), id(s)]
+    assert all(any(t is a for a in rec.allocs) for t in rec.outputs)
+    given = [x, w, res]
+    for t in rec.saved:
+        assert t is None or any(t is g for g in given + rec.allocs)
+    assert call.fast is None and call.tries == 0  # nothing is recorded without the extension
+
+
+def test_extension_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(fast_path.ENV, raising=False)
+    assert not fast_path.enabled()
+    monkeypatch.setenv(fast_path.ENV, "1")
+    assert fast_path.enabled()
+
+
+@pytest.mark.slow
+def test_extension_compiles_against_this_torch(tmp_path, monkeypatch):
+    """The C++ source builds and loads here (CPU torch has the same headers); about a minute."""
+    if shutil.which("ninja") is None and not os.path.exists(os.path.join(
+            os.path.dirname(sys.executable), "ninja")):  # fmt: skip
+        pytest.skip("ninja is not installed (torch.utils.cpp_extension needs it)")
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("FUSED_NORM_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    mod = fast_path.build()
+    assert fast_path.library_path().exists()
+    for name in ("Recipe", "call", "dropout_key"):
+        assert hasattr(mod, name)
