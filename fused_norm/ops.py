@@ -383,7 +383,7 @@ class KernelCall:
             saved = [-1 if t is None else fast_path._slot(t, slots) for t in rec.saved or ()]
             out_info = [(list(t.shape), t.dtype) for t in rec.outputs]
             stream = self.outputs.index(2) if self.graph and self.flags.prenorm else -1
-            self.fast = _FAST.Recipe(self.dev.index, self.graph, len(given), allocs, launches,
+            self.fast = _FAST.Recipe(self.dev, self.graph, len(given), allocs, launches,
                                      outputs, saved, out_info, stream, weakref.ref(self))  # fmt: skip
             self.tries = 0
         except fast_path.Unservable as exc:

@@ -11,6 +11,7 @@ import os
 import shutil
 import struct
 import sys
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -143,11 +144,67 @@ def test_extension_is_off_unless_asked(monkeypatch):
     assert fast_path.enabled()
 
 
+class _Owner:
+    """Stands for the ops.KernelCall that owns a recipe: its Python backward, counted."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fast_backward(self, saved, grads):
+        self.calls.append((saved, grads))
+        dy = grads[0] if grads[0] is not None else torch.zeros(3, 4)
+        return [2 * dy, None]  # the gradients of the given tensors (x, w)
+
+
+def _plumbing(mod):
+    """A recipe without launches on CPU tensors: the C++ autograd Function's wiring (slots,
+    saved tensors, outputs, the Python backward where no stage is recorded, a recorded stage's
+    results, zeros for a gradient that never came in, no graph without grad)."""
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    owner = _Owner()
+    f32 = torch.float32
+    # slots: x 0, w 1, y 2, s 3, rstd 4; outputs y and the stream s; saved x and rstd
+    recipe = mod.Recipe(torch.device("cpu"), True, 2, [([3, 4], f32), ([3, 4], f32), ([3], f32)],
+                        [], [2, 3], [0, 4], [([3, 4], f32), ([3, 4], f32)], 1,
+                        weakref.ref(owner))  # fmt: skip
+    y, s = mod.call(recipe, [x, w])
+    assert y.shape == (3, 4) and y.requires_grad and "FusedNormFn" in y.grad_fn.name()
+    g = torch.randn(3, 4)
+    (gx,) = torch.autograd.grad(y, [x], g, retain_graph=True)  # variant 0: no stream gradient
+    assert len(owner.calls) == 1
+    saved, grads = owner.calls[0]
+    assert torch.equal(saved[0], x) and saved[1].shape == (3,)
+    assert torch.equal(grads[0], g) and grads[1] is None
+    assert torch.equal(gx, 2 * g)
+    # a recorded stage: backward slots saved 0-1, dy 2, ds 3, then one allocation 4
+    recipe.set_backward(1, [([4], f32)], [], [3, 4])
+    assert recipe.has_backward(1) and not recipe.has_backward(0)
+    gs = torch.randn(3, 4)
+    gx, gw = torch.autograd.grad((y, s), [x, w], (g, gs), retain_graph=True)
+    assert len(owner.calls) == 1, "a recorded stage called Python"
+    assert torch.equal(gx, gs) and gw.shape == (4,)
+    (gx,) = torch.autograd.grad(s, [x], gs)  # dy never came in: zeros in its slot
+    assert torch.equal(gx, gs) and len(owner.calls) == 1
+    with torch.no_grad():
+        plain = mod.Recipe(torch.device("cpu"), False, 2, [([3, 4], f32)], [], [2], [], [], -1,
+                           weakref.ref(owner))  # fmt: skip
+        (y2,) = mod.call(plain, [x, w])
+    assert y2.grad_fn is None and y2.shape == (3, 4)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        recipe.set_backward(0, [], [], [9])
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        mod.Recipe(torch.device("cpu"), False, 1, [], [(0, [1, 1, 1], 32, 0, [0, 0], [], -1)],
+                   [], [], [], -1, weakref.ref(owner))  # fmt: skip
+
+
 @pytest.mark.slow
-def test_extension_compiles_against_this_torch(tmp_path, monkeypatch):
-    """The C++ source builds and loads here (CPU torch has the same headers); about a minute."""
-    if shutil.which("ninja") is None and not os.path.exists(os.path.join(
-            os.path.dirname(sys.executable), "ninja")):  # fmt: skip
+def test_extension_builds_and_its_autograd_wiring_works(tmp_path, monkeypatch):
+    """The C++ source builds against this torch (about a minute; CPU torch has the same
+    headers), loads, and its autograd Function wires slots as the recipes say."""
+    if shutil.which("ninja") is None and not os.path.exists(
+        os.path.join(os.path.dirname(sys.executable), "ninja")
+    ):
         pytest.skip("ninja is not installed (torch.utils.cpp_extension needs it)")
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
@@ -155,5 +212,4 @@ def test_extension_compiles_against_this_torch(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     mod = fast_path.build()
     assert fast_path.library_path().exists()
-    for name in ("Recipe", "call", "dropout_key"):
-        assert hasattr(mod, name)
+    _plumbing(mod)

@@ -143,14 +143,18 @@ struct Stage {
   std::vector<Launch> launches;
   std::vector<int> results;  // slots returned (-1: None)
 
-  void run(std::vector<Tensor>& slots, int device, int64_t key) const {
-    const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
-    const c10::DeviceGuard guard(dev);
+  // Allocates, then launches on ``dev`` (a CUDA device wherever there are launches; the CPU
+  // tests replay recipes without any).
+  void run(std::vector<Tensor>& slots, c10::Device dev, int64_t key) const {
     const auto options = at::TensorOptions().device(dev);
+    if (launches.empty()) {
+      for (const Alloc& a : allocs) slots.push_back(at::empty(a.shape, options.dtype(a.dtype)));
+      return;
+    }
+    const c10::DeviceGuard guard(dev);
     for (const Alloc& a : allocs) slots.push_back(at::empty(a.shape, options.dtype(a.dtype)));
-    if (launches.empty()) return;
-    ensure_context(device);
-    void* stream = current_stream(device);
+    ensure_context(dev.index());
+    void* stream = current_stream(dev.index());
     const Driver& d = driver();
     std::vector<uint64_t> cells;
     std::vector<void*> params;
@@ -192,7 +196,7 @@ struct PyRef : torch::CustomClassHolder {
 };
 
 struct Recipe : torch::CustomClassHolder {
-  int device = 0;
+  c10::Device device{c10::DeviceType::CUDA, 0};
   bool graph = false;    // the call records an autograd graph
   bool has_key = false;  // the forward takes a dropout key
   Stage fwd;             // results: the outputs
@@ -210,7 +214,7 @@ struct Recipe : torch::CustomClassHolder {
 
   variable_list forward(at::TensorList given, std::vector<Tensor>& slots) const {
     slots.assign(given.begin(), given.end());
-    fwd.run(slots, device, has_key ? dropout_key(device) : 0);
+    fwd.run(slots, device, has_key ? dropout_key(device.index()) : 0);
     return fwd.take(slots);
   }
 
@@ -222,11 +226,10 @@ struct Recipe : torch::CustomClassHolder {
       Tensor& g = grads[k];
       if (!g.defined()) {
         if (static_cast<int>(k) != stream_output) {
-          g = at::zeros(out_info[k].shape, at::TensorOptions()
-                                                .dtype(out_info[k].dtype)
-                                                .device(c10::DeviceType::CUDA, device));
+          g = at::zeros(out_info[k].shape,
+                        at::TensorOptions().dtype(out_info[k].dtype).device(device));
         }
-      } else if (g.scalar_type() != out_info[k].dtype || g.device().index() != device) {
+      } else if (g.scalar_type() != out_info[k].dtype || g.device() != device) {
         plain = false;
       } else if (!g.is_contiguous() || reinterpret_cast<uintptr_t>(g.data_ptr()) % 16) {
         g = g.clone(at::MemoryFormat::Contiguous);
@@ -336,11 +339,14 @@ Stage make_stage(size_t known, const py::list& allocs, const py::list& launches,
 // the Python path (another current device; a dropout key under CUDA graph capture, where a key
 // baked into the graph would repeat at every replay).
 variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> given) {
-  if (cuda_impl()->getDevice().index() != r->device) return {};
-  if (r->has_key) {
-    int status = 0;
-    check(driver().is_capturing(current_stream(r->device), &status), "cuStreamIsCapturing");
-    if (status != 0) return {};
+  if (r->device.is_cuda()) {
+    if (cuda_impl()->getDevice().index() != r->device.index()) return {};
+    if (r->has_key) {
+      int status = 0;
+      check(driver().is_capturing(current_stream(r->device.index()), &status),
+            "cuStreamIsCapturing");
+      if (status != 0) return {};
+    }
   }
   if (r->graph) return FusedNormFn::apply(r, at::TensorList(given));
   std::vector<Tensor> slots;
@@ -351,7 +357,7 @@ variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> give
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Recipe, c10::intrusive_ptr<Recipe>>(m, "Recipe")
-      .def(py::init([](int device, bool graph, size_t n_given, const py::list& allocs,
+      .def(py::init([](c10::Device device, bool graph, size_t n_given, const py::list& allocs,
                        const py::list& launches,
                        std::vector<int> outputs, std::vector<int> saved,
                        std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> out_info,
@@ -361,6 +367,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              r->graph = graph;
              r->fwd = make_stage(n_given, allocs, launches, std::move(outputs));
              for (const Launch& l : r->fwd.launches) r->has_key |= l.key >= 0;
+             TORCH_CHECK(device.is_cuda() || r->fwd.launches.empty(),
+                         "a recipe with launches needs a CUDA device");
              for (int slot : saved) {
                TORCH_CHECK(slot < static_cast<int>(n_given + r->fwd.allocs.size()),
                            "saved slot out of range");
@@ -378,6 +386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (r.ready(variant)) return;  // recorded once; readers may be using it
              r.bwd[variant] = make_stage(r.saved.size() + r.out_info.size(), allocs, launches,
                                          std::move(grads));
+             TORCH_CHECK(r.device.is_cuda() || r.bwd[variant].launches.empty(),
+                         "a recipe with launches needs a CUDA device");
              r.bwd_ready[variant].store(true, std::memory_order_release);
            })
       .def("has_backward", [](const Recipe& r, int variant) { return r.ready(variant); });
