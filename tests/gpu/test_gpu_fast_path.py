@@ -102,7 +102,7 @@ def _run(case, fast, m=66, n=1024, dtype=torch.bfloat16, grad_mode="all", no_gra
                 runs.append((outs, [], None))
                 continue
             outs = _call(case, x, kw)
-            diff = [o for o in outs if o.requires_grad]
+            diff = [o for o in outs if o is not None and o.requires_grad]
             g = torch.Generator(device="cuda").manual_seed(1000 + i)
             ups = [torch.randn(o.shape, generator=g, device="cuda").to(o.dtype) for o in diff]
             if grad_mode == "stream_unused":  # the prenorm stream's gradient never comes in
