@@ -19,7 +19,6 @@ before fused_norm is imported, until the GPU suite has passed with it on
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -27,6 +26,7 @@ import os
 import struct
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -114,7 +114,12 @@ def _load():
 
 # ------------------------------------------------------------------------------ recording
 
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    rec = None  # the recording active in this thread
+
+
+_LOCAL = _Local()
 
 
 class Unservable(Exception):
@@ -144,7 +149,7 @@ class Recording:
 
 def current():
     """The recording active in this thread, or None."""
-    return getattr(_LOCAL, "rec", None)
+    return _LOCAL.rec
 
 
 def _slot(t, slots) -> int:
@@ -204,8 +209,8 @@ def _launch(compiled, args, values, slots) -> tuple:
         else:
             cells.append(pack(ty, value))
     cells += [0, 0]  # Triton's global and profile scratch pointers: none (checked above)
-    return (compiled.function, list(compiled.grid), 32 * md.num_warps, md.shared, cells, ptrs,
-            key)  # fmt: skip
+    return (compiled.function, list(compiled.grid), 32 * md.num_warps, compiled.shared, cells,
+            ptrs, key)  # fmt: skip
 
 
 def stage(rec: Recording, known: list, results) -> tuple:
@@ -220,22 +225,15 @@ def stage(rec: Recording, known: list, results) -> tuple:
     return allocs, launches, out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Build or check fused_norm's C++ fast path.")
-    ap.add_argument("--build", action="store_true", help="compile it (where CUDA is available)")
-    ap.add_argument("--force", action="store_true", help="compile even without a GPU")
-    args = ap.parse_args(argv)
-    if args.build:
-        if not (torch.cuda.is_available() or args.force):
-            print("fused_norm: the C++ fast path serves CUDA tensors only: not built here "
-                  "(no GPU); the Python path serves every call")  # fmt: skip
-            return 0
-        print(f"fused_norm: building the C++ fast path into {library_path().parent} "
-              "(about a minute)", flush=True)  # fmt: skip
-        build(verbose=False)
-    print(f"fused_norm fast path: {why()}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def forward_recipe(mod, rec: Recording, given: list, dev, graph: bool, stream_output: int,
+                   owner):  # fmt: skip
+    """The C++ recipe (``mod.Recipe``) of a recorded forward of the tensors ``given``; its
+    backward, where it needs Python, calls ``owner.fast_backward``. Raises Unservable."""
+    if rec.outputs is None:
+        raise Unservable("no outputs recorded")
+    allocs, launches, outputs = stage(rec, given, rec.outputs)
+    slots = list(given) + rec.allocs
+    saved = [-1 if t is None else _slot(t, slots) for t in rec.saved or ()]
+    out_info = [(list(t.shape), t.dtype) for t in rec.outputs]
+    return mod.Recipe(dev, graph, len(given), allocs, launches, outputs, saved, out_info,
+                      stream_output, weakref.ref(owner))  # fmt: skip

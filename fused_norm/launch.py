@@ -93,11 +93,12 @@ class Compiled:
     """A compiled kernel and how to call its C launcher: ``(*grid, *args)`` where ``args`` are
     the runtime arguments (tensors as addresses) followed by the constexpr values."""
 
-    __slots__ = ("kernel", "run", "function", "metadata", "grid")
+    __slots__ = ("kernel", "run", "function", "metadata", "shared", "grid")
 
     def __init__(self, kernel, grid):
         self.kernel, self.run, self.function = kernel, kernel.run, kernel.function
         self.metadata = kernel.packed_metadata
+        self.shared = getattr(kernel.metadata, "shared", 0)
         self.grid = (*grid, 1, 1)[:3]
 
     def __call__(self, stream, args):

@@ -10,7 +10,6 @@ first forward that records a graph. ``traced_forward`` / ``traced_backward`` ser
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Optional
 
 import torch
@@ -377,14 +376,9 @@ class KernelCall:
         with fast_path.Recording() as rec:
             result = self._python(tensors)
         try:
-            given = [tensors[i] for i in self.inputs]
-            allocs, launches, outputs = fast_path.stage(rec, given, rec.outputs or ())
-            slots = given + rec.allocs
-            saved = [-1 if t is None else fast_path._slot(t, slots) for t in rec.saved or ()]
-            out_info = [(list(t.shape), t.dtype) for t in rec.outputs]
             stream = self.outputs.index(2) if self.graph and self.flags.prenorm else -1
-            self.fast = _FAST.Recipe(self.dev, self.graph, len(given), allocs, launches,
-                                     outputs, saved, out_info, stream, weakref.ref(self))  # fmt: skip
+            self.fast = fast_path.forward_recipe(_FAST, rec, [tensors[i] for i in self.inputs],
+                                                 self.dev, self.graph, stream, self)  # fmt: skip
             self.tries = 0
         except fast_path.Unservable as exc:
             self.not_fast = str(exc)

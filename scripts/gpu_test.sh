@@ -30,8 +30,10 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$REPO"
 
 PYTHON="${PYTHON:-python3}"
-# The C++ fast path is built ahead (once per source and torch version; about a minute).
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m fused_norm.build || exit 1
+# The C++ fast path is built ahead (once per source and torch version; about a minute); where
+# that fails, tests/gpu/test_gpu_fast_path.py fails and says why, the other tests run.
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m fused_norm.build \
+  || echo "fused_norm: the C++ fast path did not build (its GPU tests will fail)"
 BENCH_ARGS="${GPU_TEST_BENCH_ARGS:---Ns 4096,65536 --budget-s 45 --first-call drop_add_ln:4096}"
 cpus=$(nproc 2>/dev/null || echo 2)
 default_workers=$(( cpus / 2 < 8 ? cpus / 2 : 8 ))

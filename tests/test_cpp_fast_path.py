@@ -55,7 +55,7 @@ def _compiled(signature, num_warps=4, shared=1024, **md):
     """A stand-in for launch.Compiled: a kernel with a signature and metadata."""
     meta = SimpleNamespace(num_warps=num_warps, shared=shared, num_ctas=1, **md)
     kernel = SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=meta)
-    return SimpleNamespace(kernel=kernel, function=0xABC, grid=(5, 2, 1))
+    return SimpleNamespace(kernel=kernel, function=0xABC, grid=(5, 2, 1), shared=shared)
 
 
 SIG = {"X": "*bf16", "Y": "*bf16", "B": "constexpr", "stride": "i32", "eps": "fp32",

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -291,47 +292,42 @@ struct FusedNormFn : torch::autograd::Function<FusedNormFn> {
   }
 };
 
-Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
-                   std::vector<uint64_t> cells, std::vector<std::pair<int, int>> ptrs, int key) {
-  TORCH_CHECK(grid.size() == 3, "grid: 3 dimensions");
-  for (const auto& [param, slot] : ptrs) {
-    TORCH_CHECK(param >= 0 && param < static_cast<int>(cells.size()) && slot >= 0,
-                "pointer parameter out of range");
-  }
-  TORCH_CHECK(key < static_cast<int>(cells.size()), "key parameter out of range");
-  Launch l;
-  l.function = reinterpret_cast<void*>(function);
-  for (int i = 0; i < 3; ++i) l.grid[i] = static_cast<unsigned>(grid[i]);
-  l.threads = static_cast<unsigned>(threads);
-  l.shared = static_cast<unsigned>(shared);
-  l.cells = std::move(cells);
-  l.ptrs = std::move(ptrs);
-  l.key = key;
-  return l;
+// What Python hands over (fast_path.stage), converted by pybind11.
+using AllocSpec = std::pair<std::vector<int64_t>, at::ScalarType>;
+using LaunchSpec = std::tuple<int64_t, std::array<int64_t, 3>, int64_t, int64_t,
+                              std::vector<uint64_t>, std::vector<std::pair<int, int>>, int>;
+
+std::vector<Alloc> to_allocs(const std::vector<AllocSpec>& specs) {
+  std::vector<Alloc> out;
+  for (const auto& [shape, dtype] : specs) out.push_back({shape, dtype});
+  return out;
 }
 
-// A stage from Python's lists (fast_path.stage), its slots checked against the ``known`` slots
-// that come before its allocations.
-Stage make_stage(size_t known, const py::list& allocs, const py::list& launches,
-                 std::vector<int> results) {
+// A stage, its parameters and slots checked (``known`` slots come before its allocations).
+Stage make_stage(size_t known, const std::vector<AllocSpec>& allocs,
+                 const std::vector<LaunchSpec>& launches, std::vector<int> results) {
   Stage st;
-  for (py::handle a : allocs) {
-    auto pair = a.cast<std::pair<std::vector<int64_t>, at::ScalarType>>();
-    st.allocs.push_back({pair.first, pair.second});
-  }
-  for (py::handle l : launches) {
-    auto t = l.cast<py::tuple>();
-    st.launches.push_back(make_launch(
-        t[0].cast<int64_t>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<int64_t>(),
-        t[3].cast<int64_t>(), t[4].cast<std::vector<uint64_t>>(),
-        t[5].cast<std::vector<std::pair<int, int>>>(), t[6].cast<int>()));
-  }
-  st.results = std::move(results);
+  st.allocs = to_allocs(allocs);
   const int slots = static_cast<int>(known + st.allocs.size());
-  for (const Launch& l : st.launches) {
-    for (const auto& [param, slot] : l.ptrs) TORCH_CHECK(slot < slots, "slot out of range");
+  for (const auto& [function, grid, threads, shared, cells, ptrs, key] : launches) {
+    const int params = static_cast<int>(cells.size());
+    for (const auto& [param, slot] : ptrs) {
+      TORCH_CHECK(param >= 0 && param < params, "pointer parameter out of range");
+      TORCH_CHECK(slot >= 0 && slot < slots, "slot out of range");
+    }
+    TORCH_CHECK(key < params, "key parameter out of range");
+    Launch l;
+    l.function = reinterpret_cast<void*>(function);
+    for (int i = 0; i < 3; ++i) l.grid[i] = static_cast<unsigned>(grid[i]);
+    l.threads = static_cast<unsigned>(threads);
+    l.shared = static_cast<unsigned>(shared);
+    l.cells = cells;
+    l.ptrs = ptrs;
+    l.key = key;
+    st.launches.push_back(std::move(l));
   }
-  for (int s : st.results) TORCH_CHECK(s < slots, "result slot out of range");
+  for (int s : results) TORCH_CHECK(s < slots, "result slot out of range");
+  st.results = std::move(results);
   return st;
 }
 
@@ -357,10 +353,10 @@ variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> give
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Recipe, c10::intrusive_ptr<Recipe>>(m, "Recipe")
-      .def(py::init([](c10::Device device, bool graph, size_t n_given, const py::list& allocs,
-                       const py::list& launches,
-                       std::vector<int> outputs, std::vector<int> saved,
-                       std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> out_info,
+      .def(py::init([](c10::Device device, bool graph, size_t n_given,
+                       const std::vector<AllocSpec>& allocs,
+                       const std::vector<LaunchSpec>& launches, std::vector<int> outputs,
+                       std::vector<int> saved, const std::vector<AllocSpec>& out_info,
                        int stream_output, py::object owner) {
              auto r = c10::make_intrusive<Recipe>();
              r->device = device;
@@ -374,20 +370,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "saved slot out of range");
              }
              r->saved = std::move(saved);
-             for (auto& [shape, dtype] : out_info) r->out_info.push_back({shape, dtype});
+             r->out_info = to_allocs(out_info);
              r->stream_output = stream_output;
              r->owner = c10::make_intrusive<PyRef>(std::move(owner));
              return r;
            }))
       .def("set_backward",
-           [](Recipe& r, int variant, const py::list& allocs, const py::list& launches,
-              std::vector<int> grads) {
+           [](Recipe& r, int variant, const std::vector<AllocSpec>& allocs,
+              const std::vector<LaunchSpec>& launches, std::vector<int> grads) {
              TORCH_CHECK(variant == 0 || variant == 1, "variant: 0 or 1");
+             TORCH_CHECK(r.device.is_cuda() || launches.empty(),
+                         "a recipe with launches needs a CUDA device");
              if (r.ready(variant)) return;  // recorded once; readers may be using it
              r.bwd[variant] = make_stage(r.saved.size() + r.out_info.size(), allocs, launches,
                                          std::move(grads));
-             TORCH_CHECK(r.device.is_cuda() || r.bwd[variant].launches.empty(),
-                         "a recipe with launches needs a CUDA device");
              r.bwd_ready[variant].store(true, std::memory_order_release);
            })
       .def("has_backward", [](const Recipe& r, int variant) { return r.ready(variant); });
