@@ -1,7 +1,8 @@
 # The README's commands. `make demo` and `make test` first build a virtual environment in
 # $(VENV) from this repository's own files: torch ($(TORCH), if the venv has none; pass
 # TORCH=... for another build, or SYSTEM_SITE=1 to reuse the torch of the system Python), then
-# this package in editable mode with its extras (test, example, bench, hf).
+# this package in editable mode with its extras (test, example, bench, hf), and on a GPU
+# machine the C++ fast path (python -m fused_norm.build).
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -28,6 +29,8 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(SAY) "installing fused_norm (editable) with the extras [$(EXTRAS)]: triton (Linux), einops, pytest, pytest-xdist, hypothesis, numpy, tqdm, matplotlib, transformers"
 	$(VPY) -m pip install -e ".[$(EXTRAS)]"
+	$(SAY) "building the C++ fast path of eager CUDA calls (skipped without a GPU)"
+	$(VPY) -m fused_norm.build
 	touch $@
 	$(SAY) "$(VENV) is ready"
 

@@ -9,12 +9,13 @@ call of the signature with a :class:`Recording` active, which logs every allocat
 (``ops._empty``) and direct launch (``ops._Launch``); a tensor no slot holds (a copy, a
 workspace) or a launch that did not go direct leaves the signature on the Python path.
 
-The extension is built ahead of use (``python -m fused_norm.build``; ``make
-setup`` runs it on machines with a GPU) into ``$FUSED_NORM_BUILD_DIR`` (default
-``~/.cache/fused_norm``), under a name that hashes its source and the torch version; a process
-only loads it, never builds it. It is opt-in, ``FUSED_NORM_FAST_PATH=1`` in the environment
-before fused_norm is imported, until the GPU suite has passed with it on
-(``tests/gpu/test_gpu_fast_path.py`` compares it with the Python path bit for bit).
+The extension is built ahead of use (``python -m fused_norm.build`` after installing; ``make
+setup`` and ``make gpu-test`` run it on machines with a GPU) into ``$FUSED_NORM_BUILD_DIR``
+(default ``~/.cache/fused_norm``), under a name that hashes its source and the torch version; a
+process only loads it, never builds it (a first call must not wait a minute for a compiler).
+Where it is built it serves CUDA calls unless ``FUSED_NORM_FAST_PATH=0`` was set before
+fused_norm is imported; where it is not, a warning says so once and the Python path serves
+(``tests/gpu/test_gpu_fast_path.py`` compares the two bit for bit).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import struct
 import sys
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -38,7 +40,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    return os.environ.get(ENV, "1") != "0"
 
 
 def module_name() -> str:
@@ -92,14 +94,24 @@ def why() -> str:
     return _STATE["why"] or "loaded"
 
 
+def warn_if_missing() -> None:
+    """Once per process, where the extension is on but not built: say so (a CUDA call is about
+    to take the Python path)."""
+    if module() is None and _STATE["why"].startswith("not built") and not _STATE.get("warned"):
+        _STATE["warned"] = True
+        warnings.warn(f"fused_norm: the C++ fast path is {_STATE['why']}; eager CUDA calls take "
+                      "the slower Python path. `python -m fused_norm.build` builds it (about a "
+                      f"minute); {ENV}=0 silences this.", stacklevel=3)  # fmt: skip
+
+
 def _load():
     if not enabled():
-        return None, f"off ({ENV}=1 turns it on)"
+        return None, f"off ({ENV}=0)"
     if torch.version.hip:
         return None, "ROCm: the extension launches through the CUDA driver only"
     path = library_path()
     if not path.exists():
-        return None, f"not built ({path} missing: python -m fused_norm.build)"
+        return None, f"not built for this torch ({path} missing)"
     try:
         name = path.stem
         spec = importlib.util.spec_from_file_location(
@@ -127,12 +139,15 @@ class Unservable(Exception):
 
 
 class Recording:
-    """What one Python-path call allocated (``ops._empty``) and launched (``ops._Launch``)."""
+    """What one Python-path call allocated (``ops._empty``), took from the exchange workspaces
+    (``workspace.take``: the buffer, the one its launch cleans, words and fill value) and
+    launched (``ops._Launch``)."""
 
-    __slots__ = ("allocs", "launches", "bad", "saved", "outputs")
+    __slots__ = ("allocs", "fills", "workspaces", "launches", "bad", "saved", "outputs")
 
     def __init__(self):
-        self.allocs, self.launches = [], []
+        self.allocs, self.workspaces, self.launches = [], [], []
+        self.fills = {}  # allocation index: the value it was filled with
         self.bad = self.saved = self.outputs = None
 
     def refuse(self, why: str) -> None:
@@ -160,7 +175,7 @@ def _slot(t, slots) -> int:
         if (isinstance(s, torch.Tensor) and s.data_ptr() == t.data_ptr() and s.dtype == t.dtype
                 and s.shape == t.shape and s.stride() == t.stride()):  # fmt: skip
             return i
-    raise Unservable("a tensor that is neither given nor allocated (a copy or a workspace)")
+    raise Unservable("a tensor that is neither given nor allocated (a copy)")
 
 
 _INT_BYTES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4,
@@ -214,15 +229,18 @@ def _launch(compiled, args, values, slots) -> tuple:
 
 
 def stage(rec: Recording, known: list, results) -> tuple:
-    """``(allocations, launches, result slots)`` of a recorded call whose first slots are
-    ``known``; raises Unservable."""
+    """``(allocations, launches, workspaces, result slots)`` of a recorded call whose first
+    slots are ``known``, then its allocations, then two per workspace; raises Unservable."""
     if rec.bad is not None:
         raise Unservable(rec.bad)
     slots = list(known) + rec.allocs
-    allocs = [(list(t.shape), t.dtype) for t in rec.allocs]
+    for ws, ws_next, _, _ in rec.workspaces:
+        slots += [ws, ws_next]
+    allocs = [(list(t.shape), t.dtype, rec.fills.get(i)) for i, t in enumerate(rec.allocs)]
     launches = [_launch(c, args, values, slots) for c, args, values in rec.launches]
-    out = [-1 if t is None else _slot(t, slots) for t in results]
-    return allocs, launches, out
+    workspaces = [(words, fill) for _, _, words, fill in rec.workspaces]
+    out = [-1 if t is None else _slot(t, slots[: len(known) + len(rec.allocs)]) for t in results]
+    return allocs, launches, workspaces, out
 
 
 def forward_recipe(mod, rec: Recording, given: list, dev, graph: bool, stream_output: int,
@@ -231,9 +249,9 @@ def forward_recipe(mod, rec: Recording, given: list, dev, graph: bool, stream_ou
     backward, where it needs Python, calls ``owner.fast_backward``. Raises Unservable."""
     if rec.outputs is None:
         raise Unservable("no outputs recorded")
-    allocs, launches, outputs = stage(rec, given, rec.outputs)
+    allocs, launches, workspaces, outputs = stage(rec, given, rec.outputs)
     slots = list(given) + rec.allocs
     saved = [-1 if t is None else _slot(t, slots) for t in rec.saved or ()]
     out_info = [(list(t.shape), t.dtype) for t in rec.outputs]
-    return mod.Recipe(dev, graph, len(given), allocs, launches, outputs, saved, out_info,
-                      stream_output, weakref.ref(owner))  # fmt: skip
+    return mod.Recipe(dev, graph, len(given), allocs, launches, workspaces, outputs, saved,
+                      out_info, stream_output, weakref.ref(owner))  # fmt: skip

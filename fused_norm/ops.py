@@ -206,11 +206,17 @@ def _ordered(names, constexprs) -> tuple:
     return tuple(constexprs[k] for k in names)
 
 
-def _empty(shape, dtype, dev) -> Tensor:
-    """``torch.empty``, logged where a call is being recorded for the C++ fast path."""
-    t = torch.empty(shape, dtype=dtype, device=dev)
+def _empty(shape, dtype, dev, fill=None) -> Tensor:
+    """``torch.empty`` (``torch.full`` with a ``fill``), logged where a call is being recorded
+    for the C++ fast path."""
+    if fill is None:
+        t = torch.empty(shape, dtype=dtype, device=dev)
+    else:
+        t = torch.full(shape, fill, dtype=dtype, device=dev)
     rec = fast_path.current()
     if rec is not None:
+        if fill is not None:
+            rec.fills[len(rec.allocs)] = fill
         rec.allocs.append(t)
     return t
 
@@ -339,6 +345,8 @@ class KernelCall:
         self.fast = None
         self.not_fast = None  # why the last recording could not be replayed
         self.tries = RECORD_TRIES if _FAST is not None and self.dev.type == "cuda" else 0
+        if _FAST is None and launch.DIRECT and self.dev.type == "cuda":
+            fast_path.warn_if_missing()
         self.bwd_tries = [RECORD_TRIES, RECORD_TRIES]
 
     def __call__(self, *tensors):
@@ -493,7 +501,7 @@ class KernelCall:
             if plan.ws_reset:
                 ws, ws_next, pair = workspace.take(dev, m * plan.split, 0)
             else:
-                ws = torch.zeros((m * plan.split,), dtype=torch.int64, device=dev)
+                ws = _empty((m * plan.split,), torch.int64, dev, fill=0)
         y_rs = self.out_rs or n
         s_rs = 0 if s is None else (self.res_out_rs or n)
         tensors = (x, y, weight, bias, residual, x1, weight1, bias1, y1, s, rowscale, layerscale,
@@ -549,7 +557,7 @@ class _Saved:
 def _grad(g, shape, dtype, dev):
     """An incoming gradient as contiguous rows at a 16-byte aligned address (zeros if None)."""
     if g is None:
-        return torch.zeros(shape, dtype=dtype, device=dev)
+        return _empty(shape, dtype, dev, fill=0)
     if not g.is_contiguous() or g.data_ptr() % 16:
         return g.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
     return g

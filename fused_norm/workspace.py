@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from . import fast_path
+
 _LOCAL = threading.local()
 SELF_CLEARING = os.environ.get("FUSED_NORM_WS_SELF_CLEARING", "1") != "0"
 
@@ -68,6 +70,14 @@ def take(dev: torch.device, words: int, fill: int) -> tuple:
     :func:`done` is called with ``pair`` once it is enqueued (``pair`` None: a fresh buffer,
     and ``ws_next`` a scratch one that nothing reads)."""
     words = max(words, 1)
+    ws, ws_next, pair = _take(dev, words, fill)
+    rec = fast_path.current()
+    if rec is not None:  # the C++ fast path keeps pairs of its own, the same way
+        rec.workspaces.append((ws, ws_next, words, fill))
+    return ws, ws_next, pair
+
+
+def _take(dev: torch.device, words: int, fill: int) -> tuple:
     if not SELF_CLEARING or (dev.type == "cuda" and capturing(dev)):
         both = torch.full((2, (words + 1) & ~1), fill, dtype=torch.int64, device=dev)  # 16 B rows
         return both[0], both[1], None

@@ -25,10 +25,10 @@ for s in "$@"; do
   case $s in
     fpbuild) step fpbuild 240 python3 -m fused_norm.build ;;
     fptest) step fptest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fast_path.py ;;
-    hostfast) FUSED_NORM_FAST_PATH=1 step hostfast 200 python3 bench/host_cost.py --out "$OUT/hostfast" ;;
-    floorfast) FUSED_NORM_FAST_PATH=1 step floorfast 150 python3 -u bench/host_floor.py --out "$OUT/floorfast" ;;
-    gptfast) FUSED_NORM_FAST_PATH=1 step gptfast 420 python3 examples/bench_gpt.py "$OUT/gptfast.md" ;;
-    gputestfast) FUSED_NORM_FAST_PATH=1 step gputestfast 420 bash scripts/gpu_test.sh "$OUT/gputestfast" ;;
+    # the same steps with the C++ fast path off (FUSED_NORM_FAST_PATH=0): the Python path
+    hostpy) FUSED_NORM_FAST_PATH=0 step hostpy 200 python3 bench/host_cost.py --out "$OUT/hostpy" ;;
+    floorpy) FUSED_NORM_FAST_PATH=0 step floorpy 150 python3 -u bench/host_floor.py --out "$OUT/floorpy" ;;
+    gptpy) FUSED_NORM_FAST_PATH=0 step gptpy 420 python3 examples/bench_gpt.py "$OUT/gptpy.md" ;;
     smoke) step smoke 240 python3 scripts/gpu_smoke.py ;;
     smokeq) step smoke 150 python3 scripts/gpu_smoke.py --quick ;;
     compile) step compile 170 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --junitxml="$OUT/junit-compile.xml" \
@@ -39,7 +39,7 @@ for s in "$@"; do
     bench) step bench 420 python3 -u bench/bench.py --quick --out "$OUT/bench" ;;
     benchf) step bench 220 python3 -u bench/bench.py --quick --providers fused_norm --small-M "" --out "$OUT/bench" ;;
     tune) step tune 300 python3 -u bench/tune.py --out "$OUT/sm90.py" ;;
-    gputest) step gputest 420 bash scripts/gpu_test.sh "$OUT/gputest" ;;
+    gputest) step gputest 560 bash scripts/gpu_test.sh "$OUT/gputest" ;;
     gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
     hf) step hf 300 python3 bench/bench_hf.py --out "$OUT/hf" ;;
     *) echo "unknown step $s" ;;

@@ -11,6 +11,7 @@ import os
 import shutil
 import struct
 import sys
+import warnings
 import weakref
 from types import SimpleNamespace
 
@@ -68,8 +69,9 @@ def test_a_recorded_launch_becomes_cells_pointers_and_the_key():
     rec.allocs.append(y)
     # runtime arguments in the kernel's order, then the constexpr values
     rec.launches.append((_compiled(SIG), (x, y, None, 4, 1e-5, 2**40, 2**33), (1024,)))
-    allocs, launches, results = fast_path.stage(rec, [x], [y])
-    assert allocs == [([2, 4], torch.float32)]
+    allocs, launches, workspaces, results = fast_path.stage(rec, [x], [y])
+    assert workspaces == []
+    assert allocs == [([2, 4], torch.float32, None)]
     assert results == [1]
     function, grid, threads, shared, cells, ptrs, key = launches[0]
     assert (function, grid, threads, shared) == (0xABC, [5, 2, 1], 128, 1024)
@@ -85,8 +87,25 @@ def test_the_same_view_through_another_object_finds_its_slot():
     rec = fast_path.Recording()
     alias = x.view(3, 4)
     rec.launches.append((_compiled({"X": "*fp32"}), (alias,), ()))
-    _, launches, _ = fast_path.stage(rec, [x], [])
+    _, launches, _, _ = fast_path.stage(rec, [x], [])
     assert launches[0][5] == [(0, 0)]
+
+
+def test_workspaces_take_two_slots_after_the_allocations():
+    """A launch's exchange workspace and the buffer it cleans: slots after the allocations, in
+    the order taken, with their words and fill value."""
+    x, y = torch.zeros(2, 4), torch.zeros(2, 4)
+    ws, ws_next = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    rec = fast_path.Recording()
+    rec.allocs.append(y)
+    rec.workspaces.append((ws, ws_next, 6, -1))
+    sig = {"X": "*fp32", "Y": "*fp32", "WS": "*i64", "WS_NEXT": "*i64"}
+    rec.launches.append((_compiled(sig), (x, y, ws, ws_next), ()))
+    _, launches, workspaces, results = fast_path.stage(rec, [x], [y])
+    assert workspaces == [(6, -1)] and results == [1]
+    assert launches[0][5] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    with pytest.raises(fast_path.Unservable):  # a workspace is never an output
+        fast_path.stage(rec, [x], [ws])
 
 
 @pytest.mark.parametrize(
@@ -137,11 +156,27 @@ def test_ops_records_allocations_saved_tensors_and_outputs():
     assert call.fast is None and call.tries == 0  # nothing is recorded without the extension
 
 
-def test_extension_is_off_unless_asked(monkeypatch):
+def test_extension_is_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv(fast_path.ENV, raising=False)
-    assert not fast_path.enabled()
-    monkeypatch.setenv(fast_path.ENV, "1")
     assert fast_path.enabled()
+    monkeypatch.setenv(fast_path.ENV, "0")
+    assert not fast_path.enabled()
+
+
+def test_a_missing_build_is_said_once_and_never_built_on_a_call(monkeypatch, tmp_path):
+    """On, but not built for this torch: no module, the reason, one warning; the process does
+    not compile anything."""
+    monkeypatch.delenv(fast_path.ENV, raising=False)
+    monkeypatch.setenv("FUSED_NORM_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(fast_path, "_STATE", {"loaded": False, "module": None, "why": None})
+    monkeypatch.setattr(fast_path, "build", lambda *a, **k: pytest.fail("built on a call"))
+    assert fast_path.module() is None and fast_path.why().startswith("not built")
+    with pytest.warns(UserWarning, match="python -m fused_norm.build"):
+        fast_path.warn_if_missing()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast_path.warn_if_missing()  # once only
+    assert not any(tmp_path.iterdir())
 
 
 class _Owner:
@@ -165,8 +200,9 @@ def _plumbing(mod):
     owner = _Owner()
     f32 = torch.float32
     # slots: x 0, w 1, y 2, s 3, rstd 4; outputs y and the stream s; saved x and rstd
-    recipe = mod.Recipe(torch.device("cpu"), True, 2, [([3, 4], f32), ([3, 4], f32), ([3], f32)],
-                        [], [2, 3], [0, 4], [([3, 4], f32), ([3, 4], f32)], 1,
+    allocs = [([3, 4], f32, None), ([3, 4], f32, None), ([3], f32, 7)]  # rstd filled with 7
+    recipe = mod.Recipe(torch.device("cpu"), True, 2, allocs,
+                        [], [], [2, 3], [0, 4], [([3, 4], f32), ([3, 4], f32)], 1,
                         weakref.ref(owner))  # fmt: skip
     y, s = mod.call(recipe, [x, w])
     assert y.shape == (3, 4) and y.requires_grad and "FusedNormFn" in y.grad_fn.name()
@@ -174,11 +210,11 @@ def _plumbing(mod):
     (gx,) = torch.autograd.grad(y, [x], g, retain_graph=True)  # variant 0: no stream gradient
     assert len(owner.calls) == 1
     saved, grads = owner.calls[0]
-    assert torch.equal(saved[0], x) and saved[1].shape == (3,)
+    assert torch.equal(saved[0], x) and torch.equal(saved[1], torch.full((3,), 7.0))
     assert torch.equal(grads[0], g) and grads[1] is None
     assert torch.equal(gx, 2 * g)
     # a recorded stage: backward slots saved 0-1, dy 2, ds 3, then one allocation 4
-    recipe.set_backward(1, [([4], f32)], [], [3, 4])
+    recipe.set_backward(1, [([4], f32, None)], [], [], [3, 4])
     assert recipe.has_backward(1) and not recipe.has_backward(0)
     gs = torch.randn(3, 4)
     gx, gw = torch.autograd.grad((y, s), [x, w], (g, gs), retain_graph=True)
@@ -187,15 +223,17 @@ def _plumbing(mod):
     (gx,) = torch.autograd.grad(s, [x], gs)  # dy never came in: zeros in its slot
     assert torch.equal(gx, gs) and len(owner.calls) == 1
     with torch.no_grad():
-        plain = mod.Recipe(torch.device("cpu"), False, 2, [([3, 4], f32)], [], [2], [], [], -1,
-                           weakref.ref(owner))  # fmt: skip
+        plain = mod.Recipe(torch.device("cpu"), False, 2, [([3, 4], f32, None)], [], [], [2], [], [],
+                           -1, weakref.ref(owner))  # fmt: skip
         (y2,) = mod.call(plain, [x, w])
     assert y2.grad_fn is None and y2.shape == (3, 4)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        recipe.set_backward(0, [], [], [9])
+        recipe.set_backward(0, [], [], [], [9])
+    with pytest.raises(RuntimeError, match="result slot out of range"):  # a workspace's slot
+        recipe.set_backward(0, [], [], [(4, -1)], [5])
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         mod.Recipe(torch.device("cpu"), False, 1, [], [(0, [1, 1, 1], 32, 0, [0, 0], [], -1)],
-                   [], [], [], -1, weakref.ref(owner))  # fmt: skip
+                   [], [], [], [], -1, weakref.ref(owner))  # fmt: skip
 
 
 @pytest.mark.slow

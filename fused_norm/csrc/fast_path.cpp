@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -137,25 +138,88 @@ struct Launch {
 struct Alloc {
   std::vector<int64_t> shape;
   at::ScalarType dtype;
+  std::optional<int64_t> fill;  // filled with this value (a fresh workspace), else uninitialised
+
+  Tensor make(const at::TensorOptions& options) const {
+    return fill ? at::full(shape, *fill, options.dtype(dtype))
+                : at::empty(shape, options.dtype(dtype));
+  }
+};
+
+// A stage's exchange workspaces (fused_norm/workspace.py): int64 words that each launch finds
+// equal to ``fill``. Each keeps two buffers and alternates: a launch publishes into one and
+// sets the same words of the other back to ``fill``, so the next launch, on the same stream,
+// finds it clean. Under graph capture, on another stream than the first call's, or after a
+// failed launch, a call takes a freshly filled buffer (and a scratch one) instead.
+struct Workspaces {
+  std::vector<std::pair<int64_t, int64_t>> spec;  // (words, fill) per workspace
+  std::mutex mutex;                              // held from taking buffers to the launches
+  std::vector<std::array<Tensor, 2>> bufs;       // allocated at the first call
+  int cur = 0;
+  void* stream = nullptr;
+
+  // Appends each workspace and the one its launch cleans to ``slots``; true where the pairs
+  // are used (flip() after the launches).
+  bool take(std::vector<Tensor>& slots, const at::TensorOptions& options, void* now) {
+    int capturing = 0;
+    check(driver().is_capturing(now, &capturing), "cuStreamIsCapturing");
+    if (bufs.empty() && capturing == 0) {
+      for (const auto& [words, fill] : spec) {
+        Tensor both = at::full({2, (words + 1) & ~int64_t{1}}, fill, options);  // 16 B rows
+        bufs.push_back({both[0].narrow(0, 0, words), both[1].narrow(0, 0, words)});
+      }
+      stream = now;
+    }
+    const bool pairs = capturing == 0 && now == stream;
+    for (size_t i = 0; i < spec.size(); ++i) {
+      if (pairs) {
+        slots.push_back(bufs[i][cur]);
+        slots.push_back(bufs[i][1 - cur]);
+      } else {
+        const auto [words, fill] = spec[i];
+        Tensor both = at::full({2, (words + 1) & ~int64_t{1}}, fill, options);
+        slots.push_back(both[0]);
+        slots.push_back(both[1]);
+      }
+    }
+    return pairs;
+  }
 };
 
 struct Stage {
   std::vector<Alloc> allocs;
   std::vector<Launch> launches;
   std::vector<int> results;  // slots returned (-1: None)
+  std::shared_ptr<Workspaces> ws;  // null: none
 
   // Allocates, then launches on ``dev`` (a CUDA device wherever there are launches; the CPU
   // tests replay recipes without any).
   void run(std::vector<Tensor>& slots, c10::Device dev, int64_t key) const {
     const auto options = at::TensorOptions().device(dev);
     if (launches.empty()) {
-      for (const Alloc& a : allocs) slots.push_back(at::empty(a.shape, options.dtype(a.dtype)));
+      for (const Alloc& a : allocs) slots.push_back(a.make(options));
       return;
     }
     const c10::DeviceGuard guard(dev);
-    for (const Alloc& a : allocs) slots.push_back(at::empty(a.shape, options.dtype(a.dtype)));
+    for (const Alloc& a : allocs) slots.push_back(a.make(options));
     ensure_context(dev.index());
     void* stream = current_stream(dev.index());
+    if (!ws) {
+      launch_all(slots, stream, key);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(ws->mutex);
+    const bool pairs = ws->take(slots, options.dtype(at::kLong), stream);
+    try {
+      launch_all(slots, stream, key);
+    } catch (...) {
+      if (pairs) ws->bufs.clear();  // a launch may be missing: a fresh pair next time
+      throw;
+    }
+    if (pairs) ws->cur ^= 1;
+  }
+
+  void launch_all(const std::vector<Tensor>& slots, void* stream, int64_t key) const {
     const Driver& d = driver();
     std::vector<uint64_t> cells;
     std::vector<void*> params;
@@ -293,22 +357,31 @@ struct FusedNormFn : torch::autograd::Function<FusedNormFn> {
 };
 
 // What Python hands over (fast_path.stage), converted by pybind11.
-using AllocSpec = std::pair<std::vector<int64_t>, at::ScalarType>;
+using OutSpec = std::pair<std::vector<int64_t>, at::ScalarType>;
+using AllocSpec = std::tuple<std::vector<int64_t>, at::ScalarType, std::optional<int64_t>>;
 using LaunchSpec = std::tuple<int64_t, std::array<int64_t, 3>, int64_t, int64_t,
                               std::vector<uint64_t>, std::vector<std::pair<int, int>>, int>;
+using WorkspaceSpec = std::pair<int64_t, int64_t>;  // (words, fill)
 
 std::vector<Alloc> to_allocs(const std::vector<AllocSpec>& specs) {
   std::vector<Alloc> out;
-  for (const auto& [shape, dtype] : specs) out.push_back({shape, dtype});
+  for (const auto& [shape, dtype, fill] : specs) out.push_back({shape, dtype, fill});
   return out;
 }
 
-// A stage, its parameters and slots checked (``known`` slots come before its allocations).
+// A stage, its parameters and slots checked (``known`` slots come before its allocations,
+// then two per workspace: the one its launches publish into, and the one they clean).
 Stage make_stage(size_t known, const std::vector<AllocSpec>& allocs,
-                 const std::vector<LaunchSpec>& launches, std::vector<int> results) {
+                 const std::vector<LaunchSpec>& launches, std::vector<int> results,
+                 const std::vector<WorkspaceSpec>& workspaces) {
   Stage st;
   st.allocs = to_allocs(allocs);
-  const int slots = static_cast<int>(known + st.allocs.size());
+  if (!workspaces.empty()) {
+    for (const auto& [words, fill] : workspaces) TORCH_CHECK(words > 0, "workspace words");
+    st.ws = std::make_shared<Workspaces>();
+    st.ws->spec = workspaces;
+  }
+  const int slots = static_cast<int>(known + st.allocs.size() + 2 * workspaces.size());
   for (const auto& [function, grid, threads, shared, cells, ptrs, key] : launches) {
     const int params = static_cast<int>(cells.size());
     for (const auto& [param, slot] : ptrs) {
@@ -326,7 +399,8 @@ Stage make_stage(size_t known, const std::vector<AllocSpec>& allocs,
     l.key = key;
     st.launches.push_back(std::move(l));
   }
-  for (int s : results) TORCH_CHECK(s < slots, "result slot out of range");
+  const int plain = static_cast<int>(known + st.allocs.size());  // (no workspace is returned)
+  for (int s : results) TORCH_CHECK(s < plain, "result slot out of range");
   st.results = std::move(results);
   return st;
 }
@@ -355,13 +429,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Recipe, c10::intrusive_ptr<Recipe>>(m, "Recipe")
       .def(py::init([](c10::Device device, bool graph, size_t n_given,
                        const std::vector<AllocSpec>& allocs,
-                       const std::vector<LaunchSpec>& launches, std::vector<int> outputs,
-                       std::vector<int> saved, const std::vector<AllocSpec>& out_info,
+                       const std::vector<LaunchSpec>& launches,
+                       const std::vector<WorkspaceSpec>& workspaces, std::vector<int> outputs,
+                       std::vector<int> saved, const std::vector<OutSpec>& out_info,
                        int stream_output, py::object owner) {
              auto r = c10::make_intrusive<Recipe>();
              r->device = device;
              r->graph = graph;
-             r->fwd = make_stage(n_given, allocs, launches, std::move(outputs));
+             r->fwd = make_stage(n_given, allocs, launches, std::move(outputs), workspaces);
              for (const Launch& l : r->fwd.launches) r->has_key |= l.key >= 0;
              TORCH_CHECK(device.is_cuda() || r->fwd.launches.empty(),
                          "a recipe with launches needs a CUDA device");
@@ -370,20 +445,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "saved slot out of range");
              }
              r->saved = std::move(saved);
-             r->out_info = to_allocs(out_info);
+             for (const auto& [shape, dtype] : out_info) r->out_info.push_back({shape, dtype, {}});
              r->stream_output = stream_output;
              r->owner = c10::make_intrusive<PyRef>(std::move(owner));
              return r;
            }))
       .def("set_backward",
            [](Recipe& r, int variant, const std::vector<AllocSpec>& allocs,
-              const std::vector<LaunchSpec>& launches, std::vector<int> grads) {
+              const std::vector<LaunchSpec>& launches,
+              const std::vector<WorkspaceSpec>& workspaces, std::vector<int> grads) {
              TORCH_CHECK(variant == 0 || variant == 1, "variant: 0 or 1");
              TORCH_CHECK(r.device.is_cuda() || launches.empty(),
                          "a recipe with launches needs a CUDA device");
              if (r.ready(variant)) return;  // recorded once; readers may be using it
              r.bwd[variant] = make_stage(r.saved.size() + r.out_info.size(), allocs, launches,
-                                         std::move(grads));
+                                         std::move(grads), workspaces);
              r.bwd_ready[variant].store(true, std::memory_order_release);
            })
       .def("has_backward", [](const Recipe& r, int variant) { return r.ready(variant); });
