@@ -7,7 +7,10 @@ Each cell is one ``train_gpt.py --bench`` run in its own process (so compile cac
 state do not leak between cells): tokens/s over the steps after ``--timing-warmup``, which keeps
 compilation and allocator warm-up out of the number; bf16 autocast on CUDA (the script's
 default), dropout 0.1 so the dropout path is part of what is timed.
-The two norms run back to back for each (preset, compile) pair so slow drift hits both alike.
+The two norms run back to back for each (preset, compile) pair so slow drift hits both alike;
+with ``--repeats R`` each pair runs R times, alternating which norm goes first, and a cell
+reports the median run and the spread of all R (compiled runs vary more between processes
+than eager ones).
 Writes a markdown table to the given path and the raw numbers to the same path with ``.csv``.
 """
 
@@ -84,7 +87,22 @@ def environment(device) -> dict:
 
 
 def fmt_rate(cell):
-    return f"{cell['tokens_per_s']:,.0f}" if cell.get("tokens_per_s") else "error"
+    if not cell.get("tokens_per_s"):
+        return "error"
+    runs = cell.get("runs") or []
+    spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
+    return f"{cell['tokens_per_s']:,.0f}{spread}"
+
+
+def median_run(runs: list) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with every
+    run's tokens/s under ``runs``; the first error where no run succeeded."""
+    ok = sorted((r for r in runs if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
+    if not ok:
+        return runs[0]
+    cell = dict(ok[(len(ok) - 1) // 2])
+    cell["runs"] = [r["tokens_per_s"] for r in ok]
+    return cell
 
 
 def markdown(rows, env, args, date) -> str:
@@ -105,8 +123,13 @@ def markdown(rows, env, args, date) -> str:
         + (f" · CUDA {env['cuda']}" if "cuda" in env else "")
         + f" · Python {env['python']} · {date}",
         "",
-        f"tokens/s over steps {args.timing_warmup + 1}-{args.steps} of one run per cell "
-        f"(compilation excluded), precision {precision}, AdamW, dropout {args.dropout}. "
+        f"tokens/s over steps {args.timing_warmup + 1}-{args.steps} of "
+        + (
+            "one run per cell "
+            if args.repeats == 1
+            else f"the median of {args.repeats} runs per cell (their range in brackets) "
+        )  # fmt: skip
+        + f"(compilation excluded), precision {precision}, AdamW, dropout {args.dropout}. "
         "`torch` = nn.Dropout + add + nn.RMSNorm; "
         f"`fused` = fused_norm.DropoutAddRMSNorm (backend: {backend}); "
         "compile = torch.compile of each block.",
@@ -154,7 +177,9 @@ def main(argv=None):
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile cells")
-    p.add_argument("--timeout", type=int, default=240, help="seconds allowed per cell")
+    p.add_argument("--timeout", type=int, default=240, help="seconds allowed per run")
+    p.add_argument("--repeats", type=int, default=1, help="runs per cell (median reported)")
+    p.add_argument("--compile-only", action="store_true", help="skip the eager cells")
     args = p.parse_args(argv)
 
     env = environment(args.device)
@@ -162,25 +187,30 @@ def main(argv=None):
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Eager cells first: if the compiled ones overrun a time limit, the table still has those.
-    order = [(p, c) for c in ((False,) if args.no_compile else (False, True)) for p in args.presets]
+    modes = (False,) if args.no_compile else (True,) if args.compile_only else (False, True)
+    order = [(p, c) for c in modes for p in args.presets]
     rows, records = {}, []
     with tempfile.TemporaryDirectory() as workdir:
         for preset, compile_ in order:
             cells = rows.setdefault((preset, compile_), {})
+            runs = {"torch": [], "fused": []}
+            for r in range(args.repeats):
+                for norm in ("torch", "fused") if r % 2 == 0 else ("fused", "torch"):
+                    cell = run_cell(preset, norm, compile_, args, workdir)
+                    runs[norm].append(cell)
+                    rate = cell.get("error") or f"{fmt_rate(cell)} tok/s"
+                    ran = f", backend {cell['backend']}" if cell.get("backend") else ""
+                    print(f"{preset:7s} compile={compile_!s:5s} {norm:5s} {rate} "
+                          f"({cell.get('wall_s', 0):.0f} s{ran})", flush=True)  # fmt: skip
+                    records.append({
+                        "preset": preset, "compile": compile_, "norm": norm, "run": r,
+                        **{k: cell.get(k) for k in ("backend", "tokens_per_s", "peak_mem_gib",
+                                                    "params", "tokens_per_step", "final_loss",
+                                                    "error")},
+                        **env, "date": date,
+                    })  # fmt: skip
             for norm in ("torch", "fused"):
-                cell = run_cell(preset, norm, compile_, args, workdir)
-                cells[norm] = cell
-                rate = cell.get("error") or f"{fmt_rate(cell)} tok/s"
-                ran = f", backend {cell['backend']}" if cell.get("backend") else ""
-                print(f"{preset:7s} compile={compile_!s:5s} {norm:5s} {rate} "
-                      f"({cell.get('wall_s', 0):.0f} s{ran})", flush=True)  # fmt: skip
-                records.append({
-                    "preset": preset, "compile": compile_, "norm": norm,
-                    **{k: cell.get(k) for k in ("backend", "tokens_per_s", "peak_mem_gib",
-                                                "params", "tokens_per_step", "final_loss",
-                                                "error")},
-                    **env, "date": date,
-                })  # fmt: skip
+                cells[norm] = median_run(runs[norm])
             # Rewrite after every pair so an interrupted sweep still leaves its results.
             write_results(out, markdown(rows, env, args, date), records)
     print(out.read_text())

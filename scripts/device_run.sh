@@ -41,6 +41,7 @@ for s in "$@"; do
     tune) step tune 300 python3 -u bench/tune.py --out "$OUT/sm90.py" ;;
     gputest) step gputest 560 bash scripts/gpu_test.sh "$OUT/gputest" ;;
     gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
+    gptrep) step gptrep 420 python3 examples/bench_gpt.py "$OUT/gptrep.md" --presets medium --compile-only --repeats 5 ;;
     hf) step hf 300 python3 bench/bench_hf.py --out "$OUT/hf" ;;
     *) echo "unknown step $s" ;;
   esac
