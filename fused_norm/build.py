@@ -23,7 +23,6 @@ def main(argv=None) -> int:
     print(f"fused_norm: building the C++ fast path into {fast_path.library_path().parent} "
           "(about a minute)", flush=True)  # fmt: skip
     fast_path.build()
-    fast_path._STATE["loaded"] = False  # (this process looked for it before it was built)
     print(f"fused_norm fast path: built; {fast_path.why()}")
     return 0
 

@@ -70,8 +70,10 @@ def build(verbose: bool = False):
     name = module_name()
     out = build_dir() / name
     out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(out),
-                              extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=verbose)  # fmt: skip
+    mod = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(out),
+                             extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=verbose)  # fmt: skip
+    _STATE["loaded"] = False  # (this process may have looked for it before it was built)
+    return mod
 
 
 _STATE = {"loaded": False, "module": None, "why": None}

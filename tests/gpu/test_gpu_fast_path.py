@@ -22,7 +22,7 @@ CALLS = 5  # the first compiles, the second is recorded, the rest go through C++
 
 @pytest.fixture(autouse=True)
 def _built(monkeypatch):
-    """The extension on for these tests, whatever FUSED_NORM_FAST_PATH says (it is opt-in)."""
+    """The extension on for these tests, whatever FUSED_NORM_FAST_PATH says."""
     mod = ops._FAST
     if mod is None:
         monkeypatch.setattr(fast_path, "_STATE", {"loaded": False, "module": None, "why": None})
