@@ -99,6 +99,15 @@ def _spec(t):
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.data_ptr() & 15)
 
 
+def _no_signature(tensors):
+    return None
+
+
+# The tensors' part of the key, packed in C++ where the fast path is built (a fifth of the
+# time of the _spec tuples and their hash: 0.8 against 4.0 µs); None sends a call to _spec.
+_signature = _no_signature if ops is None or ops._FAST is None else ops._FAST.signature
+
+
 def _residual_dtype(x, residual, residual_in_fp32):
     if isinstance(residual, torch.Tensor):
         return residual.dtype
@@ -137,9 +146,9 @@ def fused_norm(
         return _traced(tensors, eps, dropout_p, prenorm, residual_in_fp32, zero_centered_weight,
                        is_rms_norm, return_dropout_mask, out_dtype)  # fmt: skip
     try:
-        key = (*map(_spec, tensors), eps, type(eps), dropout_p, type(dropout_p), prenorm, residual_in_fp32,
-               zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype,
-               torch.is_grad_enabled(), _backend_value())  # fmt: skip
+        key = (_signature(tensors) or tuple(map(_spec, tensors)), eps, type(eps), dropout_p,
+               type(dropout_p), prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm,
+               return_dropout_mask, out_dtype, torch.is_grad_enabled(), _backend_value())  # fmt: skip
         call = _CALLS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, or unhashable scalars
         key = call = None

@@ -192,29 +192,31 @@ class _Owner:
 
 
 def _plumbing(mod):
-    """A recipe without launches on CPU tensors: the C++ autograd Function's wiring (slots,
+    """A recipe without launches on CPU tensors: the C++ autograd node's wiring (slots,
     saved tensors, outputs, the Python backward where no stage is recorded, a recorded stage's
     results, zeros for a gradient that never came in, no graph without grad)."""
     x = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(4, requires_grad=True)
     owner = _Owner()
     f32 = torch.float32
-    # slots: x 0, w 1, y 2, s 3, rstd 4; outputs y and the stream s; saved x and rstd
+    # slots: x 0, w 1, y 2, s 3, rstd 4; outputs y and the stream s; saved x, rstd and s (an
+    # output: saved without a reference cycle, unpacked with this node as its grad_fn)
     allocs = [([3, 4], f32, None), ([3, 4], f32, None), ([3], f32, 7)]  # rstd filled with 7
     recipe = mod.Recipe(torch.device("cpu"), True, 2, allocs,
-                        [], [], [2, 3], [0, 4], [([3, 4], f32), ([3, 4], f32)], 1,
+                        [], [], [2, 3], [0, 4, 3], [([3, 4], f32), ([3, 4], f32)], 1,
                         weakref.ref(owner))  # fmt: skip
     y, s = mod.call(recipe, [x, w])
-    assert y.shape == (3, 4) and y.requires_grad and "FusedNormFn" in y.grad_fn.name()
+    assert y.shape == (3, 4) and y.requires_grad and y.grad_fn.name() == "FusedNormBackward"
     g = torch.randn(3, 4)
     (gx,) = torch.autograd.grad(y, [x], g, retain_graph=True)  # variant 0: no stream gradient
     assert len(owner.calls) == 1
     saved, grads = owner.calls[0]
     assert torch.equal(saved[0], x) and torch.equal(saved[1], torch.full((3,), 7.0))
+    assert saved[2] is not None and saved[2].data_ptr() == s.data_ptr()
     assert torch.equal(grads[0], g) and grads[1] is None
     assert torch.equal(gx, 2 * g)
-    # a recorded stage: backward slots saved 0-1, dy 2, ds 3, then one allocation 4
-    recipe.set_backward(1, [([4], f32, None)], [], [], [3, 4])
+    # a recorded stage: backward slots saved 0-2, dy 3, ds 4, then one allocation 5
+    recipe.set_backward(1, [([4], f32, None)], [], [], [4, 5])
     assert recipe.has_backward(1) and not recipe.has_backward(0)
     gs = torch.randn(3, 4)
     gx, gw = torch.autograd.grad((y, s), [x, w], (g, gs), retain_graph=True)
@@ -222,6 +224,8 @@ def _plumbing(mod):
     assert torch.equal(gx, gs) and gw.shape == (4,)
     (gx,) = torch.autograd.grad(s, [x], gs)  # dy never came in: zeros in its slot
     assert torch.equal(gx, gs) and len(owner.calls) == 1
+    with pytest.raises(RuntimeError, match="second time"):  # its saved tensors were freed
+        torch.autograd.grad((y, s), [x], (g, gs))
     with torch.no_grad():
         plain = mod.Recipe(torch.device("cpu"), False, 2, [([3, 4], f32, None)], [], [], [2], [], [],
                            -1, weakref.ref(owner))  # fmt: skip
@@ -239,7 +243,7 @@ def _plumbing(mod):
 @pytest.mark.slow
 def test_extension_builds_and_its_autograd_wiring_works(tmp_path, monkeypatch):
     """The C++ source builds against this torch (about a minute; CPU torch has the same
-    headers), loads, and its autograd Function wires slots as the recipes say."""
+    headers), loads, and its autograd node wires slots as the recipes say."""
     if shutil.which("ninja") is None and not os.path.exists(
         os.path.join(os.path.dirname(sys.executable), "ninja")
     ):
@@ -251,3 +255,27 @@ def test_extension_builds_and_its_autograd_wiring_works(tmp_path, monkeypatch):
     mod = fast_path.build()
     assert fast_path.library_path().exists()
     _plumbing(mod)
+    _signatures_key_as_specs_do(mod)
+
+
+def _signatures_key_as_specs_do(mod):
+    """The C++ signature (functional's key where the extension is loaded) tells two calls
+    apart exactly when functional._spec's tuples do."""
+    base = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
+    w = torch.ones(8)
+    variants = [
+        base, base.clone(), base.float(), base.reshape(4, 16), base.reshape(2, 4, 8),
+        base.t(), base[:, 1:], base[:, :4], base.clone().requires_grad_(),
+        torch.nn.Parameter(base.clone()), torch.empty(8, 8, dtype=torch.bfloat16, device="meta"),
+    ]  # fmt: skip
+    calls = [(x, w, None) for x in variants] + [(base, None, w), (base, w, w), (base, None, None)]
+    for a in calls:
+        for b in calls:
+            same_spec = tuple(map(functional._spec, a)) == tuple(map(functional._spec, b))
+            assert (mod.signature(a) == mod.signature(b)) == same_spec, (a, b)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert mod.signature((base.as_subclass(Sub), w)) is None  # keyed in Python
+    assert mod.signature((base, 1.0)) is None

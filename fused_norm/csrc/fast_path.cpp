@@ -2,8 +2,7 @@
 //
 // A Recipe replays what the Python path did for one call signature: which tensors it allocated,
 // and each kernel launch with its parameters, the tensors' addresses filled in per call. The
-// forward and backward run as a C++ autograd Function whose backward needs neither Python nor
-// the GIL. Kernels are launched with the CUDA driver's cuLaunchKernel, looked up in libcuda at
+// forward records a C++ autograd node whose backward needs neither Python nor the GIL. Kernels are launched with the CUDA driver's cuLaunchKernel, looked up in libcuda at
 // first use, so the build needs only torch's headers.
 //
 // Slots: every tensor a call touches has a slot. Forward: the tensors given, then the forward's
@@ -13,9 +12,11 @@
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -23,13 +24,13 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // ------------------------------------------------------------------------------ the driver
@@ -266,6 +267,7 @@ struct Recipe : torch::CustomClassHolder {
   bool has_key = false;  // the forward takes a dropout key
   Stage fwd;             // results: the outputs
   std::vector<int> saved;                 // forward slots saved for the backward (-1: None)
+  std::vector<bool> saved_is_output;      // each saved slot is also an output
   std::vector<Alloc> out_info;            // each output's shape and dtype
   int stream_output = -1;                 // the output whose gradient picks the backward
   std::array<Stage, 2> bwd;               // by whether that gradient came in
@@ -325,36 +327,40 @@ struct Recipe : torch::CustomClassHolder {
   }
 };
 
-struct FusedNormFn : torch::autograd::Function<FusedNormFn> {
-  static variable_list forward(AutogradContext* ctx, const c10::intrusive_ptr<Recipe>& r,
-                               at::TensorList given) {
-    std::vector<Tensor> slots;
-    variable_list outs = r->forward(given, slots);
-    variable_list to_save;
-    to_save.reserve(r->saved.size());
-    for (int s : r->saved) to_save.push_back(s >= 0 ? slots[s] : Tensor());
-    ctx->save_for_backward(to_save);
-    ctx->saved_data["recipe"] = c10::IValue::make_capsule(r);
-    if (!r->backward_ready()) {  // called from Python: the GIL is held
-      ctx->saved_data["owner"] = c10::IValue::make_capsule(
-          c10::make_intrusive<PyRef>(r->owner->obj()));
-    }
-    ctx->set_materialize_grads(false);
-    return outs;
+// The autograd node of a recipe's call, built directly as torch's generated nodes are (a
+// torch::autograd::Function costs three times the host time: its context, its output
+// wrapping). Inputs: the tensors given; outputs: the forward's results.
+struct FusedNormNode : torch::autograd::Node {
+  c10::intrusive_ptr<Recipe> recipe;
+  std::vector<torch::autograd::SavedVariable> saved;
+  // The call object, held while this graph's backward may need Python (not yet recorded).
+  c10::intrusive_ptr<PyRef> strong;
+
+  std::string name() const override { return "FusedNormBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list now;
+    now.reserve(saved.size());
+    for (const auto& v : saved) now.push_back(v.unpack(getptr()));
+    return recipe->backward(now, std::move(grads), strong);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto r = c10::static_intrusive_pointer_cast<Recipe>(ctx->saved_data["recipe"].toCapsule());
-    c10::intrusive_ptr<PyRef> strong;
-    auto it = ctx->saved_data.find("owner");
-    if (it != ctx->saved_data.end()) {
-      strong = c10::static_intrusive_pointer_cast<PyRef>(it->second.toCapsule());
-    }
-    variable_list out = r->backward(ctx->get_saved_variables(), std::move(grads), strong);
-    out.insert(out.begin(), Tensor());  // the recipe's
-    return out;
+  void release_variables() override {
+    for (auto& v : saved) v.reset_data();
   }
 };
+
+// A new node, owned as this torch owns nodes: an intrusive_ptr since torch 2.13, a shared_ptr
+// with torch's deleter before (found by argument-dependent lookup: no name of the other era
+// is compiled).
+template <typename N, typename Base = torch::autograd::Node>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Base>) {
+    return c10::make_intrusive<N>();
+  } else {
+    return std::shared_ptr<N>(new N(), [](Base* node) { deleteNode(node); });
+  }
+}
 
 // What Python hands over (fast_path.stage), converted by pybind11.
 using OutSpec = std::pair<std::vector<int64_t>, at::ScalarType>;
@@ -418,9 +424,57 @@ variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> give
       if (status != 0) return {};
     }
   }
-  if (r->graph) return FusedNormFn::apply(r, at::TensorList(given));
   std::vector<Tensor> slots;
-  return r->forward(given, slots);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // (allocations need no history)
+  if (!r->graph || !torch::autograd::compute_requires_grad(at::TensorList(given))) {
+    return r->forward(given, slots);
+  }
+  variable_list outs = r->forward(given, slots);
+  auto node = make_node<FusedNormNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(at::TensorList(given)));
+  node->recipe = r;
+  for (const Tensor& t : outs) torch::autograd::set_history(t, node);
+  node->saved.reserve(r->saved.size());
+  for (size_t i = 0; i < r->saved.size(); ++i) {  // (after set_history: outputs among them)
+    const int slot = r->saved[i];
+    node->saved.emplace_back(slot >= 0 ? slots[slot] : Tensor(), r->saved_is_output[i]);
+  }
+  if (!r->backward_ready()) {  // called from Python: the GIL is held
+    node->strong = c10::make_intrusive<PyRef>(r->owner->obj());
+  }
+  return outs;
+}
+
+// The tensors' part of a call signature's key (functional._spec's fields, packed): per argument
+// its Python type, dtype, device, requires_grad, 16-byte alignment, sizes and strides; a zero
+// byte for None. None where an argument is anything else (a Tensor subclass other than
+// Parameter, whose metadata Python may see differently): the caller keys that call in Python.
+py::object signature(const py::tuple& args) {
+  std::string key;
+  key.reserve(args.size() * 48);
+  auto put = [&key](const auto& v) {
+    key.append(reinterpret_cast<const char*>(&v), sizeof(v));
+  };
+  for (py::handle h : args) {
+    PyObject* obj = h.ptr();
+    if (obj == Py_None) {
+      key.push_back('\0');
+      continue;
+    }
+    if (!THPVariable_CheckExact(obj)) return py::none();
+    const Tensor& t = THPVariable_Unpack(obj);
+    key.push_back('\1');
+    put(reinterpret_cast<uintptr_t>(Py_TYPE(obj)));
+    const int8_t fields[5] = {static_cast<int8_t>(t.scalar_type()),
+                              static_cast<int8_t>(t.device().type()), t.device().index(),
+                              static_cast<int8_t>(t.requires_grad()),
+                              static_cast<int8_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15)};
+    put(fields);
+    put(static_cast<int32_t>(t.dim()));
+    for (int64_t v : t.sizes()) put(v);
+    for (int64_t v : t.strides()) put(v);
+  }
+  return py::bytes(key);
 }
 
 }  // namespace
@@ -445,6 +499,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "saved slot out of range");
              }
              r->saved = std::move(saved);
+             for (int slot : r->saved) {
+               const auto& res = r->fwd.results;
+               r->saved_is_output.push_back(std::find(res.begin(), res.end(), slot) != res.end());
+             }
              for (const auto& [shape, dtype] : out_info) r->out_info.push_back({shape, dtype, {}});
              r->stream_output = stream_output;
              r->owner = c10::make_intrusive<PyRef>(std::move(owner));
@@ -464,5 +522,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("has_backward", [](const Recipe& r, int variant) { return r.ready(variant); });
   m.def("call", &call, "An eager call through a recipe (empty: take the Python path)");
+  m.def("signature", &signature, "The tensors' part of a call's cache key (None: key in Python)");
   m.def("dropout_key", &dropout_key, "The dropout key ops.dropout_key would take (tests)");
 }
