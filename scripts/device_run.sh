@@ -40,6 +40,9 @@ for s in "$@"; do
     benchf) step bench 220 python3 -u bench/bench.py --quick --providers fused_norm --small-M "" --out "$OUT/bench" ;;
     tune) step tune 300 python3 -u bench/tune.py --out "$OUT/sm90.py" ;;
     gputest) step gputest 560 bash scripts/gpu_test.sh "$OUT/gputest" ;;
+    # the tests that need two GPUs (kind nvidia-h200-x2): distributed, placement, DDP, fast path
+    mgpu) step mgpu 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+            python3 -m pytest -q -rs -p no:cacheprovider -m multigpu --junitxml="$OUT/junit-mgpu.xml" tests ;;
     gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
     gptrep) step gptrep 420 python3 examples/bench_gpt.py "$OUT/gptrep.md" --presets medium --compile-only --repeats 5 ;;
     hf) step hf 300 python3 bench/bench_hf.py --out "$OUT/hf" ;;
