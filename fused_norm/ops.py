@@ -266,11 +266,6 @@ class _Launch:
             self.compiled = launch.Compiled(k, self.grid)
 
 
-def _stand(t, dtype=None):
-    """A stand-in of ``t`` for a compile ahead (aligned, like the allocations it stands for)."""
-    return None if t is None else launch.Stand(dtype or t.dtype, tuple(t.shape))
-
-
 # ----------------------------------------------------------------------------------------------
 # Eager calls
 # ----------------------------------------------------------------------------------------------
