@@ -52,6 +52,11 @@ class _Empty(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(w)
 
 
+def _no_grad(module, x):
+    with torch.no_grad():
+        return module(x)
+
+
 def _gaps(wl, m, n, dev, fused, calls=30):
     from torch.profiler import ProfilerActivity, profile
 
@@ -128,7 +133,9 @@ def main():
         "torch nn.RMSNorm fwd+bwd": lambda: torch.autograd.grad(norm(x), (x, norm.weight), dy),
         "fused_norm RMSNorm fwd": lambda: fused(x),
         "fused_norm RMSNorm fwd+bwd": lambda: torch.autograd.grad(fused(x), (x, fused.weight), dy),
-        "fused_norm RMSNorm fwd, no grad": lambda: fused(xs),
+        "fused_norm RMSNorm fwd, x without grad": lambda: fused(xs),
+        "torch nn.RMSNorm fwd under no_grad": lambda: _no_grad(norm, x),
+        "fused_norm RMSNorm fwd under no_grad": lambda: _no_grad(fused, x),
     }
     lines = [f"# Host floor: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"triton {triton.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
