@@ -2,8 +2,9 @@
 //
 // A Recipe replays what the Python path did for one call signature: which tensors it allocated,
 // and each kernel launch with its parameters, the tensors' addresses filled in per call. The
-// forward records a C++ autograd node whose backward needs neither Python nor the GIL. Kernels are launched with the CUDA driver's cuLaunchKernel, looked up in libcuda at
-// first use, so the build needs only torch's headers.
+// forward records a C++ autograd node whose backward needs neither Python nor the GIL. Kernels
+// are launched with the CUDA driver's cuLaunchKernel, looked up in libcuda at first use, so the
+// build needs only torch's headers.
 //
 // Slots: every tensor a call touches has a slot. Forward: the tensors given, then the forward's
 // allocations. Backward: the tensors saved by the forward, then the incoming gradient of each
@@ -152,6 +153,12 @@ struct Alloc {
 // sets the same words of the other back to ``fill``, so the next launch, on the same stream,
 // finds it clean. Under graph capture, on another stream than the first call's, or after a
 // failed launch, a call takes a freshly filled buffer (and a scratch one) instead.
+// A pair of workspaces of ``words`` words filled with ``fill``, as one allocation of 16-byte rows.
+std::array<Tensor, 2> filled_pair(int64_t words, int64_t fill, const at::TensorOptions& options) {
+  Tensor both = at::full({2, (words + 1) & ~int64_t{1}}, fill, options);
+  return {both[0].narrow(0, 0, words), both[1].narrow(0, 0, words)};
+}
+
 struct Workspaces {
   std::vector<std::pair<int64_t, int64_t>> spec;  // (words, fill) per workspace
   std::mutex mutex;                              // held from taking buffers to the launches
@@ -165,23 +172,15 @@ struct Workspaces {
     int capturing = 0;
     check(driver().is_capturing(now, &capturing), "cuStreamIsCapturing");
     if (bufs.empty() && capturing == 0) {
-      for (const auto& [words, fill] : spec) {
-        Tensor both = at::full({2, (words + 1) & ~int64_t{1}}, fill, options);  // 16 B rows
-        bufs.push_back({both[0].narrow(0, 0, words), both[1].narrow(0, 0, words)});
-      }
+      for (const auto& [words, fill] : spec) bufs.push_back(filled_pair(words, fill, options));
       stream = now;
     }
     const bool pairs = capturing == 0 && now == stream;
     for (size_t i = 0; i < spec.size(); ++i) {
-      if (pairs) {
-        slots.push_back(bufs[i][cur]);
-        slots.push_back(bufs[i][1 - cur]);
-      } else {
-        const auto [words, fill] = spec[i];
-        Tensor both = at::full({2, (words + 1) & ~int64_t{1}}, fill, options);
-        slots.push_back(both[0]);
-        slots.push_back(both[1]);
-      }
+      const auto pair = pairs ? std::array<Tensor, 2>{bufs[i][cur], bufs[i][1 - cur]}
+                              : filled_pair(spec[i].first, spec[i].second, options);
+      slots.push_back(pair[0]);
+      slots.push_back(pair[1]);
     }
     return pairs;
   }
@@ -426,9 +425,8 @@ variable_list call(const c10::intrusive_ptr<Recipe>& r, std::vector<Tensor> give
   }
   std::vector<Tensor> slots;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // (allocations need no history)
-  if (!r->graph || !torch::autograd::compute_requires_grad(at::TensorList(given))) {
-    return r->forward(given, slots);
-  }
+  // (graph: the call's key says grad mode is on and a tensor given requires grad)
+  if (!r->graph) return r->forward(given, slots);
   variable_list outs = r->forward(given, slots);
   auto node = make_node<FusedNormNode>();
   node->set_next_edges(torch::autograd::collect_next_edges(at::TensorList(given)));
