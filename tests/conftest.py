@@ -9,6 +9,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers share the cores: each takes its share of CPU threads (it and the scripts
+# it starts), unless OMP_NUM_THREADS says otherwise. On a 2-core machine, two workers of two
+# threads each ran two training tests 2.5x and 3.5x slower than with one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from hypothesis import settings  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

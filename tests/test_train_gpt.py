@@ -132,7 +132,7 @@ def test_resume_equals_uninterrupted(tmp_path, torch_backend):
 
     Dropout is on, so this also checks that the random stream is replayed exactly.
     """
-    flags = ["--steps", "30", "--dropout", "0.1", "--ckpt-every", "10", "--eval-every", "15",
+    flags = ["--steps", "20", "--dropout", "0.1", "--ckpt-every", "10", "--eval-every", "15",
              "--sample-len", "0"]  # fmt: skip
     whole = run(tmp_path / "whole", *flags)
     part = run(tmp_path / "part", *flags, stop_at=11)
@@ -147,8 +147,8 @@ def test_resume_equals_uninterrupted(tmp_path, torch_backend):
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_then_resumes(tmp_path):
     """A real SIGINT mid-run: checkpoint written, exit 130, --resume reproduces the full run."""
-    flags = ["--device", "cpu", "--steps", "40", "--dropout", "0.1", "--log-every", "1",
-             "--sample-len", "0", "--eval-every", "20"]  # fmt: skip
+    flags = ["--device", "cpu", "--steps", "20", "--dropout", "0.1", "--log-every", "1",
+             "--sample-len", "0", "--eval-every", "10"]  # fmt: skip
     env = subprocess_env()
 
     def script(out, *extra):
@@ -166,7 +166,7 @@ def test_ctrl_c_checkpoints_then_resumes(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     stopped_at = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=True)["step"]
-    assert 5 <= stopped_at < 40
+    assert 5 <= stopped_at < 20
     resumed = subprocess.run(script(tmp_path / "part", "--resume"), env=env, capture_output=True,
                              text=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
