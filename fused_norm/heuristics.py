@@ -147,7 +147,6 @@ class FwdRow(NamedTuple):
     base: str  # "" (a norm of x alone), "add" (residual), "drop" (dropout), "x1", "x1drop"
     is_rms: bool
     scaled: bool  # rowscale or layerscale
-    stream_dtype: Optional[torch.dtype] = None  # the residual stream stored, if any
 
 
 class FwdPlan(NamedTuple):
@@ -245,16 +244,11 @@ def _fwd_warps(block: int, chunks: int, tail: int, rows: int, plain: str) -> int
 
 def _split_plan(d, r, own, part, split, plain, dropout, x1) -> FwdPlan:
     eb = r.elem_bytes
-    # x alone in 16 bits (no scales) is held as 16 bits across the wait: half the registers;
-    # where measured faster (table), the x1 path's 16-bit stream too.
-    held = None
-    if plain and eb == 2 and not r.scaled:
-        held = r.x_dtype
-    elif own.get("hold") and x1 and r.stream_dtype in (torch.float16, torch.bfloat16):
-        held = r.stream_dtype
+    # x alone in 16 bits (no scales) is held as 16 bits across the wait: half the registers.
     # fp16 LayerNorm widens by one conversion (its exact M2 peaked the bit route's registers);
     # the conversion reads fp16 bits only.
-    hold = 0 if held is None else 2 if held == torch.float16 and not r.is_rms else 1
+    held = plain and eb == 2 and not r.scaled
+    hold = 0 if not held else 2 if r.x_dtype == torch.float16 and not r.is_rms else 1
     # 4 warps a part; a norm of x alone moves half the bytes: 2.
     warps = own.get("warps") or (2 if plain else 4)
     maxnreg = own.get("maxnreg")

@@ -144,7 +144,6 @@ def _fwd_row(n, x_dtype, y_dtype, residual_dtype, x1_dtype, stream_out_dtype, we
         n, x_dtype, max(d.itemsize for d in dts),
         (stream_out_dtype or residual_dtype or x_dtype).itemsize, weight_bytes,
         _row_kind(x1_dtype is not None, dropout, has_residual), bool(is_rms), bool(scaled),
-        stream_out_dtype,
     )  # fmt: skip
 
 

@@ -679,7 +679,7 @@ def tail_blocks(value) -> patched:
 
 def tuned_overrides(fwd=None, bwd=None) -> patched:
     """Every plan made inside takes these entries as if the device's tuned table held them for
-    its row (``heuristics.tuned``): ``fwd`` / ``bwd`` a dict of overrides (e.g. ``{"hold": 1}``,
+    its row (``heuristics.tuned``): ``fwd`` / ``bwd`` a dict of overrides (e.g. ``{"warps": 4}``,
     ``{"full_row": False}``), or a callable ``(kinds, tags, widths) -> dict``, merged over the
     table's own entry. A way to force the kernels' code paths that the rules leave to the
     tables."""
