@@ -99,33 +99,67 @@ def time_direction(direction, kind, tag, n, elements, clock, iters) -> float:
     return clock.median(step, setup, iters)
 
 
-def candidates(direction, plan, entry, explore):
-    """Override dicts to time against the rules' plan (no override)."""
+def candidates(direction, kind, n, plan, entry, explore):
+    """Override dicts to time against the rules' plan (no override) of a row of ``kind`` and
+    ``n`` columns. Without ``explore``: the table's entry and the rule's warps halved and
+    doubled. With it, every kind of override the tables hold, so that a GPU without a table
+    can derive one: register caps (alone and with those warps), the full-row flag, whole waves
+    (backward), and in the forward chunked sweeps of plain 16-bit norms, split parts and a
+    filled workspace for split rows."""
     out = [entry] if entry else []
     w = plan.num_warps
-    out += [{"warps": v} for v in (w // 2, w * 2) if 1 <= v <= 32]
+    warps = [v for v in (w // 2, w * 2) if 1 <= v <= 32]
+    out += [{"warps": v} for v in warps]
     if explore:
-        out += [{"maxnreg": r} for r in (64, 128) if plan.maxnreg != r]
-        if direction == "fwd":
-            out.append({"full_row": not plan.constexprs["FULL_ROW"]})
-        else:
+        for r in (64, 128):
+            if plan.maxnreg != r:
+                out += [{"maxnreg": r}] + [{"maxnreg": r, "warps": v} for v in warps]
+        if direction == "bwd":
             out.append({"whole_waves": True})
+        else:
+            c = plan.constexprs
+            out.append({"full_row": not c["FULL_ROW"]})
+            pad = H.next_power_of_2(n)
+            if kind in ("ln", "rms") and plan.split == 1 and pad >= 4096:
+                for chunk in (pad // 2, pad // 4):  # two sweeps over chunks, 256 columns a warp
+                    cw = min(chunk // 256, 32)
+                    out.append({"chunk": chunk, "warps": cw})
+                    if kind == "ln":
+                        out.append({"chunk": chunk, "unroll": True, "warps": cw})
+            if n >= 16384:
+                out += [{"part": p} for p in (2048, 4096, 8192) if p < n and p != c["BLOCK_N"]]
+            if plan.split > 1 and plan.ws_reset:
+                out.append({"ws_fill": True})
     uniq = []
-    for c in out:
-        if c and c not in uniq:
-            uniq.append(c)
+    for cand in out:
+        if cand and cand not in uniq:
+            uniq.append(cand)
     return uniq
+
+
+def quick_rows() -> list:
+    """The rows of ``make bench``: five workloads, both directions, bf16, five widths."""
+    return [(direction, kind, "bf16", n) for kind in ("ln", "rms", "add_rms", "drop_ln", "x1_ln")
+            for direction in ("fwd", "bwd") for n in QUICK_N]  # fmt: skip
+
+
+def known_rows() -> list:
+    """Every row a committed table of any architecture names, then ``make bench``'s rows: where
+    a GPU without a table looks first."""
+    import pkgutil
+
+    import fused_norm.tuned as tuned
+
+    rows = []
+    for _, name, _ in sorted(pkgutil.iter_modules(tuned.__path__)):
+        rows += [k for k in H._table(name) if k not in rows]
+    return rows + [k for k in quick_rows() if k not in rows]
 
 
 def rows_to_tune(args, table):
     if args.rows == "table":
         return [tuple(k) for k in table]
-    rows = []
-    for kind in ("ln", "rms", "add_rms", "drop_ln", "x1_ln"):
-        for direction in ("fwd", "bwd"):
-            for n in QUICK_N:
-                rows.append((direction, kind, "bf16", n))
-    return rows
+    return quick_rows() if args.rows == "quick" else known_rows()
 
 
 def _literal(table: dict) -> str:
@@ -146,7 +180,9 @@ def _literal(table: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", choices=("table", "quick"), default="table")
+    ap.add_argument("--rows", choices=("table", "quick", "known"), default="table",
+                    help="table: this GPU's table's rows; quick: make bench's; known: every "
+                    "committed table's rows and make bench's (a GPU without a table)")  # fmt: skip
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--elements", type=int, default=2**27)
     ap.add_argument("--iters", type=int, default=15)
@@ -180,7 +216,7 @@ def main():
             rule_plan = plan_of(direction, kind, tag, width, n, dev)
             base = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
             best, best_t = None, base
-            for cand in candidates(direction, rule_plan, entry, args.explore):
+            for cand in candidates(direction, kind, n, rule_plan, entry, args.explore):
                 live[key] = cand
                 if plan_of(direction, kind, tag, width, n, dev) == rule_plan:
                     continue  # the override changes nothing here

@@ -610,45 +610,79 @@ def _constant(table: dict):
     return lambda arch: table
 
 
-def test_every_table_entry_changes_some_plan(monkeypatch):
+def _rows_it_changes(d, table, key, entry, monkeypatch, rows_for):
+    """``(n, row, plan with the table, plan without the entry)`` for each row (of some call of
+    the entry's kind, dtypes and width) that finds ``entry`` and whose plan it changes."""
+    direction, _, _, width = key
+    without = {k: v for k, v in table.items() if k != key}
+    for n in _entry_widths(width):
+        for w in ALL_WORKLOADS:
+            for row in rows_for(w, n)[direction]:
+                found = []
+                with rules_of(d), monkeypatch.context() as mp:
+                    mp.setattr(heuristics, "tuned", _recording(found))
+                    mp.setattr(heuristics, "_table", _constant(table))
+                    plan = _plan(d, direction, row)
+                    if not any(f is entry for f in found):
+                        continue
+                    mp.setattr(heuristics, "_table", _constant(without))
+                    rules = _plan(d, direction, row)
+                if plan != rules:
+                    yield n, row, plan, rules
+
+
+@pytest.fixture(scope="module")
+def rows_for():
+    cache = {}
+
+    def rows(w, n):
+        if (w, n) not in cache:
+            cache[w, n] = _rows_by_direction(w, n)
+        return cache[w, n]
+
+    return rows
+
+
+def test_every_table_entry_changes_some_plan(monkeypatch, rows_for):
     """Each entry changes the plan of at least one row that finds it (a row of some call of
     its kind, dtypes and width): an entry that changes nothing is dead weight that a re-tuning
     would carry on."""
-    rows_cache = {}
+    for arch, table in _tables().items():
+        d = _device_of(arch)
+        dead = [key for key, entry in table.items()
+                if next(_rows_it_changes(d, table, key, entry, monkeypatch, rows_for), None)
+                is None]  # fmt: skip
+        assert not dead, f"{arch}: entries that change no plan of a row they match: {dead}"
 
-    def rows_for(w, n):
-        if (w, n) not in rows_cache:
-            rows_cache[w, n] = _rows_by_direction(w, n)
-        return rows_cache[w, n]
+
+def test_tuner_proposes_every_table_entry(monkeypatch, rows_for):
+    """bench/tune.py can derive each entry without the table: for a row the entry changes,
+    ``candidates(..., explore=True)`` from the rules' plan alone offers an override that makes
+    the entry's plan. An entry it could not propose could not be re-derived on a new GPU
+    (docs/tuning.md)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import tune
+
+    def plan_with(d, direction, row, table):
+        with rules_of(d), monkeypatch.context() as mp:
+            mp.setattr(heuristics, "_table", _constant(table))
+            return _plan(d, direction, row)
 
     for arch, table in _tables().items():
         d = _device_of(arch)
-        dead = []
+        missing = []
         for key, entry in table.items():
-            direction, _, _, width = key
+            direction, kind = key[:2]
             without = {k: v for k, v in table.items() if k != key}
-            live = False
-            for n in _entry_widths(width):
-                for w in ALL_WORKLOADS:
-                    for row in rows_for(w, n)[direction]:
-                        found = []
-                        with rules_of(d), monkeypatch.context() as mp:
-                            mp.setattr(heuristics, "tuned", _recording(found))
-                            mp.setattr(heuristics, "_table", _constant(table))
-                            plan = _plan(d, direction, row)
-                            if not any(f is entry for f in found):
-                                continue
-                            mp.setattr(heuristics, "_table", _constant(without))
-                            live = plan != _plan(d, direction, row)
-                        if live:
-                            break
-                    if live:
-                        break
-                if live:
-                    break
-            if not live:
-                dead.append(key)
-        assert not dead, f"{arch}: entries that change no plan of a row they match: {dead}"
+            if not any(plan_with(d, direction, row, {**without, key: c}) == plan
+                       for n, row, plan, rules in _rows_it_changes(d, table, key, entry,
+                                                                   monkeypatch, rows_for)
+                       for c in tune.candidates(direction, kind, n, rules, None, True)):  # fmt: skip
+                missing.append((key, entry))
+        assert not missing, f"{arch}: entries tune.py --explore does not propose: {missing}"
 
 
 def test_table_lookup_prefers_the_most_specific_entry(monkeypatch):
