@@ -59,17 +59,22 @@ def timed(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def kernels(step, n: int):
-    """GPU kernel µs per step by name, and kernels per step."""
+def _profiled(step, n: int, activity: str):
+    """The profiler's record of ``n`` steps, with the ``activity`` ("CPU" or "CUDA") on."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernels(step, n: int):
+    """GPU kernel µs per step by name, and kernels per step."""
     per_name, count = defaultdict(float), 0
-    for e in prof.events():
+    for e in _profiled(step, n, "CUDA").events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_name[e.name] += e.device_time_total / n  # µs per step
             count += 1
@@ -78,17 +83,8 @@ def kernels(step, n: int):
 
 def host(step, n: int):
     """Host-side events per step by name: (self CPU µs, calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    per_name = defaultdict(lambda: [0.0, 0])
-    for e in prof.key_averages():
-        per_name[e.key] = [e.self_cpu_time_total / n, e.count / n]
-    return per_name
+    return {e.key: (e.self_cpu_time_total / n, e.count / n)
+            for e in _profiled(step, n, "CPU").key_averages()}  # fmt: skip
 
 
 def main(argv=None):
