@@ -2,7 +2,7 @@
 """Training throughput of a Hugging Face ``LlamaForCausalLM``: transformers as is, Liger-Kernel's
 RMSNorm, ``fused_norm.replace_norms`` and ``replace_norms(fuse_residual=True)``, side by side.
 
-    python3 -u bench/bench_hf.py --out bench/results/hf       # one GPU, about 3-4 min on an H200
+    python3 -u bench/bench_hf.py --out bench/results/hf       # one GPU, about 5 min on an H200
     python3 bench/bench_hf.py --smoke --out /tmp/bench-hf     # CPU, tiny model, 2 steps
 
 Model: random-initialised, bf16 weights and AdamW states, sdpa attention, vocabulary 32000;
@@ -19,7 +19,7 @@ blocks; embedding, final norm, head and loss stay eager). Every cell is its own 
 Timing: each cell first runs ``--warmup`` steps (compilation, autotuning, allocator). Then
 ``--rounds`` rounds, each timing ``--steps`` steps of every cell in turn (the order rotated
 each round), so that drift (clocks, temperature) hits all cells alike; a cell's figure is the
-median of its rounds' tokens/s. The peak memory is the largest allocation above what the cell's
+median of its rounds' tokens/s, its ratio to a peer the median of the per-round ratios. The peak memory is the largest allocation above what the cell's
 model and optimizer hold, i.e. the step's activations and temporaries.
 
 Writes ``hf.csv`` (one row per cell) and ``hf.md`` (the table, with the GPU, versions and date,
@@ -57,8 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per cell and round")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per cell and round")
     p.add_argument("--out", default="bench/results/hf")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script: tiny model, 2 steps, compile with aot_eager")  # fmt: skip
@@ -213,7 +213,7 @@ def bench_config(cfg, args, device, dtype, variants, modes, compile_backend) -> 
     for cell in cells:
         rows.append(row(
             cell.variant, cell.mode, tokens_per_s=statistics.median(cell.rates),
-            rounds=" ".join(f"{v:.0f}" for v in cell.rates),
+            rounds=" ".join(f"{v:.0f}" for v in cell.rates), _rates=cell.rates,
             step_peak_gib=cell.peak_extra / 2**30,
         ))  # fmt: skip
         cell.free()
@@ -225,13 +225,20 @@ def bench_config(cfg, args, device, dtype, variants, modes, compile_backend) -> 
 
 
 def add_ratios(rows):
-    by = {(r["config"], r["variant"], r["mode"]): r["tokens_per_s"] for r in rows}
+    """Each cell against transformers and Liger in the same mode: the median over rounds of the
+    ratio of the two cells' rates in that round (both ran within seconds of each other, so drift
+    cancels), and in how many rounds the cell was the faster."""
+    by = {(r["config"], r["variant"], r["mode"]): r for r in rows}
     order = {(v, m): i for i, (v, m) in enumerate((v, m) for v in VARIANTS for m in MODES)}
     rows.sort(key=lambda r: (r["config"], order[(r["variant"], r["mode"])]))
     for r in rows:
-        for peer, key in (("transformers", "vs_transformers"), ("liger", "vs_liger")):
-            base = by.get((r["config"], peer, r["mode"]))
-            r[key] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
+        for peer in ("transformers", "liger"):
+            base = by.get((r["config"], peer, r["mode"])) if peer != r["variant"] else None
+            ratios = [a / b for a, b in zip(r.get("_rates", []), (base or {}).get("_rates", []))]
+            r[f"vs_{peer}"] = statistics.median(ratios) if ratios else None
+            r[f"wins_vs_{peer}"] = f"{sum(x > 1 for x in ratios)}/{len(ratios)}" if ratios else ""
+    for r in rows:
+        r.pop("_rates", None)
 
 
 def environment(device, dtype, liger, liger_note, args) -> dict:
@@ -252,8 +259,8 @@ def environment(device, dtype, liger, liger_note, args) -> dict:
 
 
 def markdown(rows, env, args) -> str:
-    def ratio(v):
-        return f"{v:.2f}x" if v else "-"
+    def ratio(v, wins):
+        return f"{v:.3f}x ({wins})" if v else "-"
 
     lines = [
         "### Hugging Face Llama training throughput: transformers, Liger-Kernel, fused_norm",
@@ -264,7 +271,9 @@ def markdown(rows, env, args) -> str:
         f"tokens/s, median of {args.rounds} interleaved rounds of {args.steps} steps after "
         f"{args.warmup} warm-up steps; {env['dtype']} weights, AdamW, vocabulary {args.vocab}, "
         f"sequence {SEQ} (or the tokens per step, if fewer). compile = torch.compile of each "
-        "decoder layer. Step peak = memory allocated above the model and optimizer state.",
+        "decoder layer. vs X: the median over rounds of the cell's rate / X's in the same round "
+        "(in brackets: the rounds in which the cell was the faster). Step peak = memory "
+        "allocated above the model and optimizer state.",
         "",
         "| config | variant | mode | tokens/s | vs transformers | vs Liger | step peak GiB |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -275,7 +284,8 @@ def markdown(rows, env, args) -> str:
             continue
         lines.append(
             f"| {r['config']} | {r['variant']} | {r['mode']} | {r['tokens_per_s']:,.0f} | "
-            f"{ratio(r['vs_transformers'])} | {ratio(r['vs_liger'])} | "
+            f"{ratio(r['vs_transformers'], r['wins_vs_transformers'])} | "
+            f"{ratio(r['vs_liger'], r['wins_vs_liger'])} | "
             f"{r['step_peak_gib']:.2f} |"
         )
     lines += ["", f"Command: `{env['command']}`", ""]
