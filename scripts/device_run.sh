@@ -46,6 +46,7 @@ for s in "$@"; do
     gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
     gptrep) step gptrep 420 python3 examples/bench_gpt.py "$OUT/gptrep.md" --presets medium --compile-only --repeats 5 ;;
     prof) step prof 300 python3 -u bench/profile_gpt.py --out "$OUT/prof" ;;
+    hfex) step hfex 300 python3 examples/hf_llama.py --preset 1b --steps 300 --out "$OUT/hf_llama.json" ;;
     hf) step hf 420 python3 bench/bench_hf.py --out "$OUT/hf" ;;
     *) echo "unknown step $s" ;;
   esac
