@@ -113,7 +113,9 @@ def candidates(direction, kind, n, plan, entry, explore):
     if explore:
         for r in (64, 128):
             if plan.maxnreg != r:
-                out += [{"maxnreg": r}] + [{"maxnreg": r, "warps": v} for v in warps]
+                # A block's registers come from one SM's 64K: larger products cannot launch.
+                out += [{"maxnreg": r, **({"warps": v} if v != w else {})}
+                        for v in (w, *warps) if r * v * 32 <= 65536]  # fmt: skip
         if direction == "bwd":
             out.append({"whole_waves": True})
         else:
@@ -218,9 +220,9 @@ def main():
             best, best_t = None, base
             for cand in candidates(direction, kind, n, rule_plan, entry, args.explore):
                 live[key] = cand
-                if plan_of(direction, kind, tag, width, n, dev) == rule_plan:
-                    continue  # the override changes nothing here
                 try:
+                    if plan_of(direction, kind, tag, width, n, dev) == rule_plan:
+                        continue  # the override changes nothing here
                     t = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
                 except Exception as exc:  # a candidate that does not compile or fit
                     lines.append(f"{key} {cand}: {B.short_error(exc)}")

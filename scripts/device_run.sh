@@ -39,6 +39,7 @@ for s in "$@"; do
     bench) step bench 420 python3 -u bench/bench.py --quick --out "$OUT/bench" ;;
     benchf) step bench 220 python3 -u bench/bench.py --quick --providers fused_norm --small-M "" --out "$OUT/bench" ;;
     tune) step tune 300 python3 -u bench/tune.py --out "$OUT/sm90.py" ;;
+    tunex) step tunex 330 python3 -u bench/tune.py --explore --out "$OUT/sm90x.py" ;;
     gputest) step gputest 560 bash scripts/gpu_test.sh "$OUT/gputest" ;;
     # the tests that need two GPUs (kind nvidia-h200-x2): distributed, placement, DDP, fast path
     mgpu) step mgpu 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
