@@ -161,7 +161,17 @@ def known_rows() -> list:
 def rows_to_tune(args, table):
     if args.rows == "table":
         return [tuple(k) for k in table]
-    return quick_rows() if args.rows == "quick" else known_rows()
+    if args.rows in ("quick", "known"):
+        return quick_rows() if args.rows == "quick" else known_rows()
+    rows = []
+    for text in args.rows.split(","):
+        direction, kind, tag, width = text.split(":")
+        if direction not in ("fwd", "bwd") or kind not in KIND_WORKLOAD or tag not in TAG_DTYPE:
+            raise SystemExit(
+                f"--rows {text}: want DIRECTION:KIND:TAG:WIDTH, e.g. fwd:rms:bf16:4096"
+            )
+        rows.append((direction, kind, tag, width if width.startswith("pad") else int(width)))
+    return rows
 
 
 def _literal(table: dict) -> str:
@@ -182,9 +192,10 @@ def _literal(table: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", choices=("table", "quick", "known"), default="table",
+    ap.add_argument("--rows", default="table",
                     help="table: this GPU's table's rows; quick: make bench's; known: every "
-                    "committed table's rows and make bench's (a GPU without a table)")  # fmt: skip
+                    "committed table's rows and make bench's (a GPU without a table); or "
+                    "rows as DIRECTION:KIND:TAG:WIDTH, comma-separated (fwd:rms:bf16:16384)")  # fmt: skip
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--elements", type=int, default=2**27)
     ap.add_argument("--iters", type=int, default=15)

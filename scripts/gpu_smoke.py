@@ -73,9 +73,15 @@ def case(name, dtype, n, rowscale=False):
     errs = [((a.double() - r).abs().max() / r.abs().max().clamp_min(1)).item()
             for a, r in zip(ys + list(grads), refs + list(gr))]  # fmt: skip
     worst = max(errs)
-    ok = worst < TOL[dtype] and same
+    # The kernels' fp32 roundoff in dx is amplified by 1/std: at n = 1 (std 0, 1/std =
+    # eps**-0.5 = 316) an FMA-contracted dy*w - mean(dy*w) leaves 316 ulps where the exact
+    # answer is 0. The tolerance grows with the rows' largest 1/std accordingly.
+    s = (refs[-1] if has_res else xr).detach()
+    ms = s.var(-1, unbiased=False) if not rms else s.square().mean(-1)
+    tol = TOL[dtype] + 8 * 2**-23 * (ms + 1e-5).rsqrt().max().item()
+    ok = worst < tol and same
     print(f"{'ok  ' if ok else 'FAIL'} {name:12s} {str(dtype)[6:]:8s} n={n:6d} m={m:5d} "
-          f"rowscale={rowscale} worst={worst:.1e} cached_same={same}", flush=True)  # fmt: skip
+          f"rowscale={rowscale} worst={worst:.1e} tol={tol:.1e} cached_same={same}", flush=True)  # fmt: skip
     return ok
 
 
