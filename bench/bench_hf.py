@@ -19,8 +19,9 @@ blocks; embedding, final norm, head and loss stay eager). Every cell is its own 
 Timing: each cell first runs ``--warmup`` steps (compilation, autotuning, allocator). Then
 ``--rounds`` rounds, each timing ``--steps`` steps of every cell in turn (the order rotated
 each round), so that drift (clocks, temperature) hits all cells alike; a cell's figure is the
-median of its rounds' tokens/s, its ratio to a peer the median of the per-round ratios. The peak memory is the largest allocation above what the cell's
-model and optimizer hold, i.e. the step's activations and temporaries.
+median of its rounds' tokens/s, its ratio to a peer the median of the per-round ratios. The
+peak memory is the largest allocation above what the cell's model and optimizer hold, i.e. the
+step's activations and temporaries.
 
 Writes ``hf.csv`` (one row per cell) and ``hf.md`` (the table, with the GPU, versions and date,
 and each cell's ratio to transformers and to Liger in the same mode) under ``--out``.

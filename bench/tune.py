@@ -159,10 +159,9 @@ def known_rows() -> list:
 
 
 def rows_to_tune(args, table):
-    if args.rows == "table":
-        return [tuple(k) for k in table]
-    if args.rows in ("quick", "known"):
-        return quick_rows() if args.rows == "quick" else known_rows()
+    named = {"table": lambda: [tuple(k) for k in table], "quick": quick_rows, "known": known_rows}
+    if args.rows in named:
+        return named[args.rows]()
     rows = []
     for text in args.rows.split(","):
         direction, kind, tag, width = text.split(":")

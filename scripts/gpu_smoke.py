@@ -24,6 +24,7 @@ WORKLOADS = {  # (rms, residual, x1, dropout)
 }
 NS = [1, 300, 1024, 4096, 5120, 12288, 16384, 20480, 65536, 262144]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+EPS = 1e-5
 
 
 def case(name, dtype, n, rowscale=False):
@@ -44,7 +45,7 @@ def case(name, dtype, n, rowscale=False):
     b1 = mk(n) if has_x1 and not rms else None
     rs = torch.rand(m, device=DEV) + 0.5 if rowscale else None
     leaves = [t for t in (x, res, x1, w, b, w1, b1) if t is not None]
-    outs = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=1e-5, dropout_p=p, rowscale=rs,
+    outs = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=EPS, dropout_p=p, rowscale=rs,
                          prenorm=has_res, is_rms_norm=rms, return_dropout_mask=p > 0)  # fmt: skip
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     masks = outs[-2:] if p > 0 else [None, None]
@@ -54,7 +55,7 @@ def case(name, dtype, n, rowscale=False):
     # The cached path: the same call again gives the same outputs and gradients bitwise (no
     # dropout: the masks would differ).
     if p == 0:
-        again = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=1e-5, rowscale=rs, prenorm=has_res,
+        again = layer_norm_fn(x, w, b, res, x1, w1, b1, eps=EPS, rowscale=rs, prenorm=has_res,
                               is_rms_norm=rms)  # fmt: skip
         again = list(again) if isinstance(again, tuple) else [again]
         grads2 = torch.autograd.grad(again, leaves, ups)
@@ -65,7 +66,7 @@ def case(name, dtype, n, rowscale=False):
           (x, res, x1, w, b, w1, b1)]  # fmt: skip
     xr, resr, x1r, wr, br, w1r, b1r = xd
     ref = rms_norm_ref if rms else layer_norm_ref
-    refs = ref(xr, wr, br, resr, x1r, w1r, b1r, eps=1e-5, dropout_p=p,
+    refs = ref(xr, wr, br, resr, x1r, w1r, b1r, eps=EPS, dropout_p=p,
                rowscale=None if rs is None else rs.double(), prenorm=has_res,
                dropout_mask=masks[0], dropout_mask1=masks[1])  # fmt: skip
     refs = list(refs) if isinstance(refs, tuple) else [refs]
@@ -74,11 +75,11 @@ def case(name, dtype, n, rowscale=False):
             for a, r in zip(ys + list(grads), refs + list(gr))]  # fmt: skip
     worst = max(errs)
     # The kernels' fp32 roundoff in dx is amplified by 1/std: at n = 1 (std 0, 1/std =
-    # eps**-0.5 = 316) an FMA-contracted dy*w - mean(dy*w) leaves 316 ulps where the exact
+    # EPS**-0.5 = 316) an FMA-contracted dy*w - mean(dy*w) leaves 316 ulps where the exact
     # answer is 0. The tolerance grows with the rows' largest 1/std accordingly.
     s = (refs[-1] if has_res else xr).detach()
     ms = s.var(-1, unbiased=False) if not rms else s.square().mean(-1)
-    tol = TOL[dtype] + 8 * 2**-23 * (ms + 1e-5).rsqrt().max().item()
+    tol = TOL[dtype] + 8 * 2**-23 * (ms + EPS).rsqrt().max().item()
     ok = worst < tol and same
     print(f"{'ok  ' if ok else 'FAIL'} {name:12s} {str(dtype)[6:]:8s} n={n:6d} m={m:5d} "
           f"rowscale={rowscale} worst={worst:.1e} tol={tol:.1e} cached_same={same}", flush=True)  # fmt: skip
