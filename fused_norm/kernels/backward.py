@@ -414,6 +414,7 @@ def _fused_norm_bwd_kernel(
     JOINT_ROW_SUMS: tl.constexpr,  # LayerNorm's c1, c2 (or a block's word of them) in one reduction
     ROW_STAGES: tl.constexpr,  # rows in flight: the row loop is software-pipelined (1: not)
 ):  # fmt: skip
+    dropout_p = tl.cast(dropout_p, tl.float32)  # fp32 whatever the caller typed it (Inductor: fp64)
     # Program (p, c) owns rows [p * rows_per_program, ...) and columns [c * BLOCK_N, ...),
     # with TAIL_N > 0 (one-block rows only) also [BLOCK_N, BLOCK_N + TAIL_N). With EXCHANGE
     # the grid is one-dimensional, a row block's NUM_CHUNKS programs consecutive.

@@ -615,6 +615,10 @@ def _fused_norm_fwd_kernel(
     WS_PREFETCH: tl.constexpr = False,  # split rows: the exchange words prefetched into L2
     PARAMS_EVICT: tl.constexpr = "",  # split rows: the weights' L2 eviction policy
 ):  # fmt: skip
+    # fp32 whatever the caller typed them (Inductor passes Python floats as fp64, which would
+    # promote every element's arithmetic to fp64)
+    eps = tl.cast(eps, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     if FULL_ROW and SPLIT == 1:  # the width as a constant: the masks fold
         N = NUM_CHUNKS * BLOCK_N + TAIL_N
     cols = tl.arange(0, BLOCK_N)
