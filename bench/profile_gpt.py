@@ -3,10 +3,14 @@
     python3 -u bench/profile_gpt.py --out DIR [--preset medium] [--rounds 5]
 
 Builds the example GPT (``examples/gpt_model.py``) with ``--norm torch`` and ``--norm fused``,
-eager and compiled (``torch.compile`` of each block, as ``examples/train_gpt.py --compile``),
-bf16 autocast, AdamW, random tokens. Step wall times are taken in interleaved rounds (each round
-runs every variant), then the profiler records a few steps of each: GPU kernel time per step,
-kernels per step, and the kernels that took the most time. Writes ``DIR/profile_gpt.md``.
+eager, compiled (``torch.compile`` of each block, as ``examples/train_gpt.py --compile``) and,
+with ``--variants ...,fused:whole``, compiled as one model; bf16 autocast, AdamW, random tokens.
+Step wall times are taken in interleaved rounds (each round runs every variant), so fused /
+torch is a per-round ratio of two variants timed moments apart in one process (processes differ
+by up to 10% in compiled runs). Host time per step: one step enqueued while a sleep kernel holds
+the GPU, so the host never waits for it. Then the profiler records a few steps of each: GPU
+kernel time per step, kernels per step, the kernels that took the most time and the host events.
+Writes ``DIR/profile_gpt.md``.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ def make(preset: str, norm: str, compiled: bool, dropout: float, dev):
     p = PRESETS[preset]
     torch.manual_seed(0)
     model = GPT(GPTConfig(**p["model"], dropout=dropout, norm=norm)).to(dev)
-    if compiled:
+    if compiled == "compile":
         for block in model.blocks:
             block.compile()
+    elif compiled == "whole":
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     t = p["model"]["block_size"]
     g = torch.Generator(device=dev).manual_seed(1)
@@ -57,6 +63,18 @@ def timed(step, n: int) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n
+
+
+def host_time(step) -> float:
+    """Seconds the host takes to enqueue one step while the GPU is held busy (a ~150 ms sleep
+    kernel queued first), so that no launch waits for the GPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return seconds
 
 
 def _profiled(step, n: int, activity: str):
@@ -95,22 +113,25 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--variants", default="torch:eager,fused:eager,torch:compile,fused:compile")
+    ap.add_argument("--variants", default="torch:eager,fused:eager,torch:compile,fused:compile,"
+                    "torch:whole,fused:whole", help="norm:mode, mode eager, compile (each block) "
+                    "or whole (the model)")  # fmt: skip
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args(argv)
     from torch._inductor import config as inductor_config
 
     dev = torch.device("cuda")
     variants = [v.split(":") for v in a.variants.split(",")]
-    steps, walls = {}, defaultdict(list)
+    steps, walls, hosts_s = {}, defaultdict(list), defaultdict(list)
     for norm, mode in variants:
-        step, tokens = make(a.preset, norm, mode == "compile", a.dropout, dev)
+        step, tokens = make(a.preset, norm, mode, a.dropout, dev)
         for _ in range(a.warmup):
             step()
         steps[(norm, mode)] = step
     for _ in range(a.rounds):
         for v, step in steps.items():
             walls[v].append(timed(step, a.steps))
+            hosts_s[v].append(host_time(step))
     lines = [
         f"# Example GPT step profile: {a.preset}, dropout {a.dropout}",
         "",
@@ -118,21 +139,29 @@ def main(argv=None):
         f"{__import__('triton').__version__} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"Command: `python3 -u bench/profile_gpt.py {' '.join(argv or sys.argv[1:])}`. Wall: "
-        f"median over {a.rounds} interleaved rounds of {a.steps} steps. Kernel: the profiler's "
-        "sum of GPU kernel times per step (another few steps). Inductor's static launcher for "
+        f"median over {a.rounds} interleaved rounds of {a.steps} steps; fused / torch: median of "
+        "the rounds' ratios. Host: one step enqueued behind a sleep kernel. Kernel: the "
+        "profiler's sum of GPU kernel times per step (another few steps); compile = each block, "
+        "whole = the model. Inductor's static launcher for "
         "user-defined Triton kernels: "
         f"{getattr(inductor_config, 'static_launch_user_defined_triton_kernels', 'n/a')}.",
         "",
-        "| norm | mode | wall ms | tok/s | kernel ms | kernels / step | GPU idle ms |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| norm | mode | wall ms | tok/s | fused / torch (rounds won) | host ms | kernel ms "
+        "| kernels / step | GPU idle ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tops, hosts = [], []
     for v, step in steps.items():
         wall = statistics.median(walls[v]) * 1e3
         per_name, count = kernels(step, 3)
         busy = sum(per_name.values()) / 1e3
-        lines.append(f"| {v[0]} | {v[1]} | {wall:.2f} | {tokens / wall * 1e3:,.0f} | {busy:.2f} "
-                     f"| {count:.0f} | {wall - busy:.2f} |")  # fmt: skip
+        ratio = ""
+        if v[0] == "fused" and ("torch", v[1]) in steps:
+            rs = [t / f for t, f in zip(walls[("torch", v[1])], walls[v])]
+            ratio = f"{statistics.median(rs):.3f}× ({sum(r > 1 for r in rs)}/{len(rs)})"
+        host_ms = statistics.median(hosts_s[v]) * 1e3
+        lines.append(f"| {v[0]} | {v[1]} | {wall:.2f} | {tokens / wall * 1e3:,.0f} | {ratio} "
+                     f"| {host_ms:.2f} | {busy:.2f} | {count:.0f} | {wall - busy:.2f} |")  # fmt: skip
         tops.append((v, per_name))
         hosts.append((v, host(step, 3)))
         print(lines[-1], flush=True)
