@@ -3,11 +3,11 @@
     python3 -u bench/profile_gpt.py --out DIR [--preset medium] [--rounds 5]
 
 Builds the example GPT (``examples/gpt_model.py``) with ``--norm torch`` and ``--norm fused``,
-eager, compiled (``torch.compile`` of each block, as ``examples/train_gpt.py --compile``) and,
-with ``--variants ...,fused:whole``, compiled as one model; bf16 autocast, AdamW, random tokens.
-Step wall times are taken in interleaved rounds (each round runs every variant), so fused /
-torch is a per-round ratio of two variants timed moments apart in one process (processes differ
-by up to 10% in compiled runs). Host time per step: one step enqueued while a sleep kernel holds
+eager (``eager``), compiled per block as ``examples/train_gpt.py --compile`` does (``compile``)
+and compiled as one model (``whole``); bf16 autocast, AdamW, random tokens. Step wall times are
+taken in interleaved rounds (each round runs every variant), so fused / torch is a per-round
+ratio of two variants timed moments apart in one process (compiled runs differ by 10-20%
+between processes). Host time per step: one step enqueued while a sleep kernel holds
 the GPU, so the host never waits for it. Then the profiler records a few steps of each: GPU
 kernel time per step, kernels per step, the kernels that took the most time and the host events.
 Writes ``DIR/profile_gpt.md``.
@@ -32,14 +32,14 @@ from gpt_model import GPT, GPTConfig  # noqa: E402
 from train_gpt import PRESETS  # noqa: E402
 
 
-def make(preset: str, norm: str, compiled: bool, dropout: float, dev):
+def make(preset: str, norm: str, mode: str, dropout: float, dev):
     p = PRESETS[preset]
     torch.manual_seed(0)
     model = GPT(GPTConfig(**p["model"], dropout=dropout, norm=norm)).to(dev)
-    if compiled == "compile":
+    if mode == "compile":
         for block in model.blocks:
             block.compile()
-    elif compiled == "whole":
+    elif mode == "whole":
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     t = p["model"]["block_size"]
@@ -122,7 +122,7 @@ def main(argv=None):
 
     dev = torch.device("cuda")
     variants = [v.split(":") for v in a.variants.split(",")]
-    steps, walls, hosts_s = {}, defaultdict(list), defaultdict(list)
+    steps, walls, enqueue = {}, defaultdict(list), defaultdict(list)
     for norm, mode in variants:
         step, tokens = make(a.preset, norm, mode, a.dropout, dev)
         for _ in range(a.warmup):
@@ -131,7 +131,7 @@ def main(argv=None):
     for _ in range(a.rounds):
         for v, step in steps.items():
             walls[v].append(timed(step, a.steps))
-            hosts_s[v].append(host_time(step))
+            enqueue[v].append(host_time(step))
     lines = [
         f"# Example GPT step profile: {a.preset}, dropout {a.dropout}",
         "",
@@ -159,7 +159,7 @@ def main(argv=None):
         if v[0] == "fused" and ("torch", v[1]) in steps:
             rs = [t / f for t, f in zip(walls[("torch", v[1])], walls[v])]
             ratio = f"{statistics.median(rs):.3f}× ({sum(r > 1 for r in rs)}/{len(rs)})"
-        host_ms = statistics.median(hosts_s[v]) * 1e3
+        host_ms = statistics.median(enqueue[v]) * 1e3
         lines.append(f"| {v[0]} | {v[1]} | {wall:.2f} | {tokens / wall * 1e3:,.0f} | {ratio} "
                      f"| {host_ms:.2f} | {busy:.2f} | {count:.0f} | {wall - busy:.2f} |")  # fmt: skip
         tops.append((v, per_name))
