@@ -1,12 +1,15 @@
 """Training throughput of the example GPT: fused_norm vs the unfused torch norm, eager and compiled.
 
-    python examples/bench_gpt.py runs/bench_gpt.md    # small & medium (aimed at < 5 min on an H100)
+    python examples/bench_gpt.py runs/bench_gpt.md    # small, medium, llm (about 9 min, H200)
     python examples/bench_gpt.py out.md --presets small --no-compile   # a quicker subset
+    python examples/bench_gpt.py out.md --compile-only --compile blocks --repeats 3
 
 Each cell is one ``train_gpt.py --bench`` run in its own process (so compile caches and allocator
 state do not leak between cells): tokens/s over the steps after ``--timing-warmup``, which keeps
 compilation and allocator warm-up out of the number; bf16 autocast on CUDA (the script's
-default), dropout 0.1 so the dropout path is part of what is timed.
+default), dropout 0.1 so the dropout path is part of what is timed. Compiled cells come two
+ways (``--compile``): ``blocks``, torch.compile of each block (regional, as torchtitan does), and
+``model``, the whole model as one graph (``torch.compile(model)``: fewer calls per step).
 The two norms run back to back for each (preset, compile) pair so slow drift hits both alike;
 with ``--repeats R`` each pair runs R times, alternating which norm goes first, and a cell
 reports the median run and the spread of all R (compiled runs vary more between processes
@@ -28,10 +31,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+COMPILES = ("no", "blocks", "model")  # the cells' compile column, in table order
 
 
 def run_cell(preset, norm, compile_, args, workdir) -> dict:
-    out = Path(workdir) / f"{preset}-{norm}-{'compile' if compile_ else 'eager'}"
+    """One ``train_gpt.py --bench`` run; ``compile_``: "no", "blocks" or "model"."""
+    out = Path(workdir) / f"{preset}-{norm}-{compile_}"
     cmd = [
         sys.executable,
         str(HERE / "train_gpt.py"),
@@ -51,8 +56,8 @@ def run_cell(preset, norm, compile_, args, workdir) -> dict:
         "--out",
         str(out),
     ]
-    if compile_:
-        cmd.append("--compile")
+    if compile_ != "no":
+        cmd += ["--compile", compile_]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -132,14 +137,14 @@ def markdown(rows, env, args, date) -> str:
         + f"(compilation excluded), precision {precision}, AdamW, dropout {args.dropout}. "
         "`torch` = nn.Dropout + add + nn.RMSNorm; "
         f"`fused` = fused_norm.DropoutAddRMSNorm (backend: {backend}); "
-        "compile = torch.compile of each block.",
+        "compile: `blocks` = torch.compile of each block, `model` = of the whole model.",
         "",
         "| preset | params | tokens/step | compile | torch tok/s | fused tok/s | fused / torch "
         "| peak GiB torch / fused |",
         "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for (preset, compile_), cells in sorted(
-        rows.items(), key=lambda kv: (args.presets.index(kv[0][0]), kv[0][1])
+        rows.items(), key=lambda kv: (args.presets.index(kv[0][0]), COMPILES.index(kv[0][1]))
     ):
         t, f = cells.get("torch", {}), cells.get("fused", {})
         ref = t if "params" in t else f
@@ -152,7 +157,7 @@ def markdown(rows, env, args, date) -> str:
         params = f"{ref['params'] / 1e6:.1f}M" if "params" in ref else "-"
         tps = ref.get("tokens_per_step", "-")
         lines.append(
-            f"| {preset} | {params} | {tps} | {'yes' if compile_ else 'no'} | "
+            f"| {preset} | {params} | {tps} | {compile_} | "
             f"{fmt_rate(t)} | {fmt_rate(f)} | {ratio} | {mem} |"
         )
     errors = [
@@ -177,6 +182,11 @@ def main(argv=None):
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile cells")
+    p.add_argument(
+        "--compile",
+        default="blocks,model",
+        help="the compiled cells: blocks (each block), model (the whole model)",
+    )
     p.add_argument("--timeout", type=int, default=240, help="seconds allowed per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell (median reported)")
     p.add_argument("--compile-only", action="store_true", help="skip the eager cells")
@@ -187,7 +197,11 @@ def main(argv=None):
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Eager cells first: if the compiled ones overrun a time limit, the table still has those.
-    modes = (False,) if args.no_compile else (True,) if args.compile_only else (False, True)
+    compiled = [c.strip() for c in args.compile.split(",") if c.strip()]
+    for c in compiled:
+        if c not in COMPILES[1:]:
+            p.error(f"--compile: {c!r} is not one of {', '.join(COMPILES[1:])}")
+    modes = ["no"] if args.no_compile else compiled if args.compile_only else ["no", *compiled]
     order = [(p, c) for c in modes for p in args.presets]
     rows, records = {}, []
     with tempfile.TemporaryDirectory() as workdir:
@@ -200,7 +214,7 @@ def main(argv=None):
                     runs[norm].append(cell)
                     rate = cell.get("error") or f"{fmt_rate(cell)} tok/s"
                     ran = f", backend {cell['backend']}" if cell.get("backend") else ""
-                    print(f"{preset:7s} compile={compile_!s:5s} {norm:5s} {rate} "
+                    print(f"{preset:7s} compile={compile_:6s} {norm:5s} {rate} "
                           f"({cell.get('wall_s', 0):.0f} s{ran})", flush=True)  # fmt: skip
                     records.append({
                         "preset": preset, "compile": compile_, "norm": norm, "run": r,

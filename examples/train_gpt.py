@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py --preset tiny --steps 200 --out runs/demo
     python examples/train_gpt.py --preset small --norm torch --compile      # the unfused baseline
+    python examples/train_gpt.py --preset small --compile model             # one graph, whole model
     torchrun --nproc_per_node=2 examples/train_gpt.py --preset small        # DDP (NCCL or gloo)
 
 Data: by default the Python standard library's own source files (found through ``sysconfig``),
@@ -95,7 +96,9 @@ def parse_args(argv=None):
     add("--norm", choices=["fused", "torch"], default="fused", help="torch: the unfused baseline")
     add("--dropout", type=float, default=0.0, help="residual-branch dropout probability")
     add("--seed", type=int, default=0)
-    add("--compile", action="store_true", help="torch.compile each block (regional)")
+    add("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
+        help="torch.compile each block (blocks, the default: regional, quick to compile) or the "
+             "whole model as one graph (model: less host time per step)")  # fmt: skip
     add("--out", default="runs/gpt", help="output directory")
     add("--resume", action="store_true", help="continue from OUT/ckpt.pt and its configuration")
     add("--data", help="train on this file instead of the stdlib sources")
@@ -421,9 +424,11 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
     if len(val_data) <= rc.model.block_size + 1:
         raise ValueError(f"the corpus is too small: its validation split ({len(val_data)} bytes) "
                          f"must exceed block_size + 1 = {rc.model.block_size + 1}")  # fmt: skip
-    if args.compile:
+    if args.compile == "blocks":
         for block in raw_model.blocks:
             block.compile()  # regional: every block reuses one graph, so compiling is quick
+    elif args.compile == "model":
+        raw_model.compile()  # one graph: fewer guards and calls per step, a longer compile
     model = raw_model
     if env.distributed:
         model = DDP(raw_model, device_ids=[env.device.index] if env.device.type == "cuda" else None)

@@ -44,7 +44,13 @@ for s in "$@"; do
     # the tests that need two GPUs (kind nvidia-h200-x2): distributed, placement, DDP, fast path
     mgpu) step mgpu 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
             python3 -m pytest -q -rs -p no:cacheprovider -m multigpu --junitxml="$OUT/junit-mgpu.xml" tests ;;
-    gpt) step gpt 420 python3 examples/bench_gpt.py "$OUT/gpt.md" ;;
+    gpt) step gpt 590 python3 examples/bench_gpt.py "$OUT/gpt.md" --compile blocks ;;
+    gptc) step gptc 560 python3 examples/bench_gpt.py "$OUT/gptc.md" --compile-only ;;
+    profs) step profs 300 python3 -u bench/profile_gpt.py --out "$OUT/profs" --preset small \
+             --variants torch:compile,fused:compile,torch:whole,fused:whole --rounds 7 ;;
+    profl) step profl 300 python3 -u bench/profile_gpt.py --out "$OUT/profl" --preset llm \
+             --variants torch:compile,fused:compile,torch:whole,fused:whole --rounds 7 ;;
+    hfc) step hfc 300 python3 bench/bench_hf.py --modes compile --out "$OUT/hfc" ;;
     gptrep) step gptrep 420 python3 examples/bench_gpt.py "$OUT/gptrep.md" --presets medium --compile-only --repeats 5 ;;
     prof) step prof 300 python3 -u bench/profile_gpt.py --out "$OUT/prof" ;;
     hfex) step hfex 300 python3 examples/hf_llama.py --preset 1b --steps 300 --out "$OUT/hf_llama.json" ;;

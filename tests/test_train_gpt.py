@@ -283,10 +283,12 @@ def diagnose_parity(tmp_path, flags, fused, ref) -> str:
 
 
 @pytest.mark.gpu
-def test_compile_smoke_cuda(tmp_path):
-    """--compile with the fused norm (dropout on): trains, and the loss falls."""
-    summary = run(tmp_path, "--device", "cuda", "--steps", "30", "--compile", "--dropout", "0.1",
-                  "--bench")  # fmt: skip
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compile_smoke_cuda(tmp_path, scope):
+    """--compile blocks / model with the fused norm (dropout on): trains, and the loss falls."""
+    summary = run(tmp_path, "--device", "cuda", "--steps", "30", "--compile", scope, "--dropout",
+                  "0.1", "--bench")  # fmt: skip
+    assert summary["compile"] == scope
     losses = summary["history"]["train"]
     assert torch.isfinite(torch.tensor(losses)).all()
     assert losses[-1] < losses[0] - 1.0
