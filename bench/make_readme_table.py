@@ -45,9 +45,10 @@ def _cell(r):
     return text
 
 
-def render(rows, env, dtype="bf16", source=None) -> str:
-    """Markdown: % of copy and ratio to the best peer per workload, mode and N; small batches;
-    first call; peak memory. `rows` are typed dicts as report.read_csv returns them."""
+def render(rows, env, dtype="bf16", source=None, extras=True) -> str:
+    """Markdown: % of copy and ratio to the best peer per workload, mode and N; with
+    ``extras``, small batches, first call and peak memory too. `rows` are typed dicts as
+    report.read_csv returns them."""
     titles = env.get("workloads", {})
     dtypes = [r["dtype"] for r in rows if r.get("kind") == "bw"]
     if dtype not in dtypes and dtypes:
@@ -85,6 +86,8 @@ def render(rows, env, dtype="bf16", source=None) -> str:
                     + [_cell(_ours(bw, workload=wl, mode=mode, N=n)) for n in Ns]
                 )
     out.append(_table(header, body))
+    if not extras:
+        return "\n".join(out)
 
     small = [r for r in rows if r.get("kind") == "small"]
     if small:
@@ -176,6 +179,8 @@ def main(argv=None):
     p.add_argument("results", type=Path, help="a results directory written by bench.py")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--readme", type=Path, help="rewrite the marked block of this file")
+    p.add_argument("--bandwidth-only", action="store_true",
+                   help="the bandwidth table alone (no small batches, first call, memory)")  # fmt: skip
     args = p.parse_args(argv)
     rows = report.read_csv(args.results / "results.csv")
     env = json.loads((args.results / "env.json").read_text())
@@ -183,7 +188,8 @@ def main(argv=None):
         source = args.results.resolve().relative_to(Path.cwd().resolve())
     except ValueError:
         source = args.results
-    table = render(rows, env, args.dtype, source=source.as_posix())
+    table = render(rows, env, args.dtype, source=source.as_posix(),
+                   extras=not args.bandwidth_only)  # fmt: skip
     if args.readme:
         args.readme.write_text(replace_block(args.readme.read_text(), table))
         print(f"updated {args.readme}", file=sys.stderr)
