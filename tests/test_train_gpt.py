@@ -292,3 +292,32 @@ def test_compile_smoke_cuda(tmp_path, scope):
     losses = summary["history"]["train"]
     assert torch.isfinite(torch.tensor(losses)).all()
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_bench_gpt_table_orders_cells_and_rejects_unknown_scopes(tmp_path, monkeypatch, capsys):
+    """bench_gpt.py: the table lists each preset's eager, blocks and model cells in that order
+    whatever order they ran in, with fused / torch per cell; an unknown --compile scope is an
+    error naming the option, before any run starts."""
+    import bench_gpt
+
+    def cell(rate, backend=None):
+        return {"tokens_per_s": rate, "params": 10_800_000, "tokens_per_step": 16384,
+                "precision": "bf16", "backend": backend, "peak_mem_gib": 1.5}  # fmt: skip
+
+    rows = {(p, c): {"torch": cell(100.0), "fused": cell(rate, "triton")}
+            for p, c, rate in [("small", "model", 103.0), ("small", "no", 101.0),
+                               ("small", "blocks", 104.0)]}  # fmt: skip
+    args = bench_gpt.argparse.Namespace(presets=["small"], timing_warmup=10, steps=60,
+                                        repeats=1, dropout=0.1)  # fmt: skip
+    env = {"device": "cpu", "torch": "t", "triton": "tr", "python": "3"}
+    lines = [ln for ln in bench_gpt.markdown(rows, env, args, "today").splitlines()
+             if ln.startswith("| small")]  # fmt: skip
+    assert [ln.split("|")[4].strip() for ln in lines] == ["no", "blocks", "model"]
+    assert [ln.split("|")[7].strip() for ln in lines] == ["1.01x", "1.04x", "1.03x"]
+
+    ran = []
+    monkeypatch.setattr(bench_gpt, "run_cell", lambda *a: ran.append(a) or {})
+    with pytest.raises(SystemExit):
+        bench_gpt.main([str(tmp_path / "out.md"), "--compile", "blocks,whole"])
+    assert ran == []
+    assert "--compile: 'whole'" in capsys.readouterr().err
