@@ -60,18 +60,18 @@ def _examples(n: int) -> int:
     return max(1, round(n * _SCALE))
 
 
-EXAMPLES_FN = _examples(440)
-EXAMPLES_TWO_BLOCKS = _examples(90)
-EXAMPLES_CHUNKED = _examples(160)
+EXAMPLES_FN = _examples(380)
+EXAMPLES_TWO_BLOCKS = _examples(70)
+EXAMPLES_CHUNKED = _examples(130)
 EXAMPLES_SPLIT = _examples(60)
-EXAMPLES_HELD = _examples(35)
+EXAMPLES_HELD = _examples(25)
 EXAMPLES_LANE = _examples(50)
 EXAMPLES_FULL_ROWS = _examples(30)
-EXAMPLES_FULL_CHUNKED = _examples(30)
-EXAMPLES_FULL_SPLIT = _examples(22)
+EXAMPLES_FULL_CHUNKED = _examples(20)
+EXAMPLES_FULL_SPLIT = _examples(15)
 EXAMPLES_LEGACY = _examples(150)
 EXAMPLES_PARALLEL = _examples(110)
-EXAMPLES_FRESH_MEMORY = _examples(40)
+EXAMPLES_FRESH_MEMORY = _examples(25)
 
 
 def widths(max_n: int = 320, min_n: int = 1):

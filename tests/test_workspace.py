@@ -63,7 +63,7 @@ def _assert_next_clean(device) -> None:
             assert stale.numel() == 0, f"fill {fill}: words {stale[:8].tolist()} not reset"
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     rows=st.lists(st.integers(1, 6), min_size=3, max_size=5),
     n=st.integers(41, 200),
