@@ -439,7 +439,7 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         print(f"{rc.preset} GPT {raw_model.num_params() / 1e6:.2f}M params, "
               f"norm={rc.model.norm} ({backend_text}), "
-              f"{env.device} x{env.world}, {precision}, compile={args.compile}, "
+              f"{env.device} x{env.world}, {precision}, compile={args.compile or 'no'}, "
               f"{len(train_data):,} train bytes, steps {start}->{rc.steps}",
               flush=True)  # fmt: skip
 
@@ -528,7 +528,7 @@ def _train(args, env: Env, stop_at: int | None) -> dict:
 def make_summary(args, rc, env, model, history, watch, precision, backend=None) -> dict:
     train = history["train"]
     summary = {
-        "preset": rc.preset, "norm": rc.model.norm, "backend": backend, "compile": args.compile,
+        "preset": rc.preset, "norm": rc.model.norm, "backend": backend, "compile": args.compile or "no",
         "device": describe_device(env.device), "world_size": env.world, "precision": precision,
         "steps": len(train), "params": model.num_params(),
         "tokens_per_step": rc.batch_size * rc.model.block_size, "dropout": rc.model.dropout,
