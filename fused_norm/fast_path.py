@@ -198,13 +198,13 @@ def pack(ty: str, value) -> int:
 
 def _launch(compiled, args, values, slots) -> tuple:
     """One launch for the C++ recipe: (function, grid, threads, shared bytes, parameter cells,
-    (parameter, slot) pairs, the dropout key's parameter or -1)."""
+    (parameter, slot) pairs, the dropout key's parameter or -1, 1 for a programmatic dependent
+    launch (PDL) else 0)."""
     kernel = compiled.kernel
     md = kernel.metadata
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
-            or getattr(md, "launch_cooperative_grid", False)
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
             or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)):  # fmt: skip
-        raise Unservable("a launch with clusters, PDL, a cooperative grid or scratch memory")
+        raise Unservable("a launch with clusters, a cooperative grid or scratch memory")
     signature = getattr(getattr(kernel, "src", None), "signature", None)
     full = (*args, *values)
     if not isinstance(signature, dict) or len(signature) != len(full):
@@ -227,7 +227,7 @@ def _launch(compiled, args, values, slots) -> tuple:
             cells.append(pack(ty, value))
     cells += [0, 0]  # Triton's global and profile scratch pointers: none (checked above)
     return (compiled.function, list(compiled.grid), 32 * md.num_warps, compiled.shared, cells,
-            ptrs, key)  # fmt: skip
+            ptrs, key, int(bool(getattr(md, "launch_pdl", False))))  # fmt: skip
 
 
 def stage(rec: Recording, known: list, results) -> tuple:

@@ -37,6 +37,7 @@ class Device:
     nvidia: bool  # a CUDA GPU: register caps, split rows, the exchange
     arch: str  # "sm90" etc., names the tuned table; "" where none applies
     hopper: bool  # compute capability >= 9 with Hopper's shared memory: the Gluon backward
+    pdl: bool = False  # compute capability >= 9: programmatic dependent launch
 
 
 FALLBACK_SMS = 4
@@ -51,8 +52,9 @@ def device(dev: torch.device) -> Device:
         nvidia = torch.version.hip is None
         shared = getattr(p, "shared_memory_per_block_optin", 0)
         arch = f"sm{p.major}{p.minor}" if nvidia else ""
-        hopper = nvidia and p.major >= 9 and shared >= HOPPER_SMEM
-        return Device(p.multi_processor_count, shared, nvidia, arch, hopper)
+        pdl = nvidia and p.major >= 9
+        hopper = pdl and shared >= HOPPER_SMEM
+        return Device(p.multi_processor_count, shared, nvidia, arch, hopper, pdl)
     module = getattr(torch, dev.type, None)
     props = getattr(module, "get_device_properties", None)
     sms = FALLBACK_SMS

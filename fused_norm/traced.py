@@ -187,7 +187,7 @@ def _bwd_impl(s, weight, bias, weight1, bias1, mean, rstd, dy, dy1, dresidual_ou
         n if dx1 is not None else 0, n if dres is not None else 0, programs * n, m, n, dropout_p,
         H.cdiv(m, programs), 0, **c, **opts,
     )  # fmt: skip
-    red = H.partials_sum_layout(d, n, len(params), programs)
+    red = dict(H.partials_sum_layout(d, n, len(params), programs), GDC=False)  # no PDL here
     g = grads + [None] * (5 - len(grads))
     kernel, opts = _traced_kernel(_sum_partials_kernel, PARTIALS_SUM_WARPS, None)
     kernel[(H.cdiv(n, red["BLOCK_N"]), len(params))](parts, *g, programs, n, **red, **opts)

@@ -73,13 +73,24 @@ def test_a_recorded_launch_becomes_cells_pointers_and_the_key():
     assert workspaces == []
     assert allocs == [([2, 4], torch.float32, None)]
     assert results == [1]
-    function, grid, threads, shared, cells, ptrs, key = launches[0]
+    function, grid, threads, shared, cells, ptrs, key, pdl = launches[0]
+    assert pdl == 0
     assert (function, grid, threads, shared) == (0xABC, [5, 2, 1], 128, 1024)
     # X, Y, stride, eps, SEED_KEY, M, and Triton's two scratch pointers; constexprs dropped
     assert len(cells) == 8 and cells[-2:] == [0, 0]
     assert ptrs == [(0, 0), (1, 1)]
     assert key == 4 and cells[4] == 0
     assert cells[2] == 4 and cells[3] == fast_path.pack("fp32", 1e-5) and cells[5] == 2**33
+
+
+def test_a_programmatic_dependent_launch_keeps_its_flag():
+    """A kernel compiled with launch_pdl (the partials' sum on Hopper) is replayed as one."""
+    x = torch.zeros(2, 4)
+    rec = fast_path.Recording()
+    rec.launches.append((_compiled({"X": "*fp32"}, launch_pdl=True), (x,), ()))
+    rec.launches.append((_compiled({"X": "*fp32"}), (x,), ()))
+    _, launches, _, _ = fast_path.stage(rec, [x], [])
+    assert [launch[7] for launch in launches] == [1, 0]
 
 
 def test_the_same_view_through_another_object_finds_its_slot():
@@ -236,7 +247,7 @@ def _plumbing(mod):
     with pytest.raises(RuntimeError, match="result slot out of range"):  # a workspace's slot
         recipe.set_backward(0, [], [], [(4, -1)], [5])
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        mod.Recipe(torch.device("cpu"), False, 1, [], [(0, [1, 1, 1], 32, 0, [0, 0], [], -1)],
+        mod.Recipe(torch.device("cpu"), False, 1, [], [(0, [1, 1, 1], 32, 0, [0, 0], [], -1, 0)],
                    [], [], [], [], -1, weakref.ref(owner))  # fmt: skip
 
 

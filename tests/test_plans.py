@@ -37,7 +37,7 @@ from fused_norm import functional, heuristics, ops
 from fused_norm.heuristics import Device
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
-H200 = Device(132, 232448, True, "sm90", True)
+H200 = Device(132, 232448, True, "sm90", True, True)
 A100 = Device(108, 166912, True, "sm80", False)
 CPU = heuristics.device(torch.device("cpu"))
 DEVICES = {"h200": H200, "a100": A100, "cpu": CPU}
@@ -322,6 +322,9 @@ def check_grid(d: Device, r: heuristics.BwdRow, plan) -> None:
         assert layout["PARTIALS"] == r.partials and layout["STAGES"] >= 1
         # The sum's grid (cdiv(n, BLOCK_N), partials) covers every column of every slab.
         assert heuristics.cdiv(r.n, layout["BLOCK_N"]) * layout["BLOCK_N"] >= r.n
+        # Launched as the backward's programmatic dependent only where it waits for it (GDC).
+        red, opts = ops._partials_sum(d, plan, r.n, r.partials, p)
+        assert bool(opts.get("launch_pdl")) == red["GDC"] == (d.pdl and not plan.hopper)
 
 
 def check_all(w: Workload, n: int, devices=DEVICES) -> Rows:

@@ -37,9 +37,30 @@ using torch::autograd::variable_list;
 // ------------------------------------------------------------------------------ the driver
 
 using CUresult = int;
+
+// cuLaunchKernelEx's configuration, as cuda.h lays it out (CUDA 12), for the one attribute used:
+// programmatic stream serialisation (PDL), which lets a kernel start while the one before it
+// on the stream finishes; the kernel waits for that one's writes itself (griddepcontrol.wait).
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int value;
+  } value;
+};
+struct LaunchConfig {
+  unsigned grid[3], block[3], shared;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_...
+
 struct Driver {
   CUresult (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                      void*, void**, void**) = nullptr;
+  CUresult (*launch_ex)(const LaunchConfig*, void*, void**, void**) = nullptr;
   CUresult (*ctx_get)(void**) = nullptr;
   CUresult (*ctx_set)(void*) = nullptr;
   CUresult (*device_get)(int*, int) = nullptr;
@@ -62,6 +83,8 @@ const Driver& driver() {
       if (fn == nullptr && d.error.empty()) d.error = std::string("libcuda has no ") + name;
     };
     find(d.launch, "cuLaunchKernel");
+    // (optional: without it a dependent launches plainly, after the kernel before it)
+    d.launch_ex = reinterpret_cast<decltype(d.launch_ex)>(dlsym(lib, "cuLaunchKernelEx"));
     find(d.ctx_get, "cuCtxGetCurrent");
     find(d.ctx_set, "cuCtxSetCurrent");
     find(d.device_get, "cuDeviceGet");
@@ -135,6 +158,7 @@ struct Launch {
   std::vector<uint64_t> cells;            // every kernel parameter, scalars packed
   std::vector<std::pair<int, int>> ptrs;  // (parameter, slot): addresses filled per call
   int key = -1;                           // the parameter that takes the dropout key, or -1
+  bool pdl = false;                       // a programmatic dependent of the launch before
 };
 
 struct Alloc {
@@ -232,9 +256,18 @@ struct Stage {
       if (l.key >= 0) cells[l.key] = static_cast<uint64_t>(key);
       params.resize(cells.size());
       for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
-      check(d.launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared,
-                     stream, params.data(), nullptr),
-            "cuLaunchKernel");
+      if (l.pdl && d.launch_ex != nullptr) {
+        LaunchAttribute attr{};
+        attr.id = kProgrammaticStreamSerialization;
+        attr.value.value = 1;
+        const LaunchConfig config{{l.grid[0], l.grid[1], l.grid[2]}, {l.threads, 1, 1}, l.shared,
+                                  stream, &attr, 1};
+        check(d.launch_ex(&config, l.function, params.data(), nullptr), "cuLaunchKernelEx");
+      } else {
+        check(d.launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared,
+                       stream, params.data(), nullptr),
+              "cuLaunchKernel");
+      }
     }
   }
 
@@ -365,7 +398,7 @@ auto make_node() {
 using OutSpec = std::pair<std::vector<int64_t>, at::ScalarType>;
 using AllocSpec = std::tuple<std::vector<int64_t>, at::ScalarType, std::optional<int64_t>>;
 using LaunchSpec = std::tuple<int64_t, std::array<int64_t, 3>, int64_t, int64_t,
-                              std::vector<uint64_t>, std::vector<std::pair<int, int>>, int>;
+                              std::vector<uint64_t>, std::vector<std::pair<int, int>>, int, int>;
 using WorkspaceSpec = std::pair<int64_t, int64_t>;  // (words, fill)
 
 std::vector<Alloc> to_allocs(const std::vector<AllocSpec>& specs) {
@@ -387,7 +420,7 @@ Stage make_stage(size_t known, const std::vector<AllocSpec>& allocs,
     st.ws->spec = workspaces;
   }
   const int slots = static_cast<int>(known + st.allocs.size() + 2 * workspaces.size());
-  for (const auto& [function, grid, threads, shared, cells, ptrs, key] : launches) {
+  for (const auto& [function, grid, threads, shared, cells, ptrs, key, pdl] : launches) {
     const int params = static_cast<int>(cells.size());
     for (const auto& [param, slot] : ptrs) {
       TORCH_CHECK(param >= 0 && param < params, "pointer parameter out of range");
@@ -402,6 +435,7 @@ Stage make_stage(size_t known, const std::vector<AllocSpec>& allocs,
     l.cells = cells;
     l.ptrs = ptrs;
     l.key = key;
+    l.pdl = pdl != 0;
     st.launches.push_back(std::move(l));
   }
   const int plain = static_cast<int>(known + st.allocs.size());  // (no workspace is returned)

@@ -27,6 +27,7 @@ Design notes
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .common import _keep_mask, _pack_sums, _pair_sums
 
@@ -569,10 +570,14 @@ def _sum_partials_kernel(
     BLOCK_P: tl.constexpr,   # row blocks per tile of the loop
     PARTIALS: tl.constexpr,  # slabs (gradients) present
     STAGES: tl.constexpr,    # tiles in flight: the loop is software-pipelined (1: not)
+    GDC: tl.constexpr = False,  # launched as the backward's programmatic dependent (PDL)
 ):  # fmt: skip
     """``Gk[col] = sum over p of PARTS[k, p, col]``, summed in fp32 in a fixed order and cast
     to Gk's dtype. Program ``(c, k)``: columns block ``c`` of slab ``k``; its loop over the
-    row blocks is pipelined over STAGES tiles."""
+    row blocks is pipelined over STAGES tiles. With GDC its programs may start while the
+    backward still runs; they wait here until its writes are visible."""
+    if GDC:
+        gdc_wait()
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
