@@ -1,30 +1,9 @@
-"""DTensor inputs (tensor and sequence parallelism) for the functional API.
-
-Under tensor parallelism with sequence parallelism (torch's ``SequenceParallel`` style on the
-norm modules, or a transformers ``tp_plan`` that uses it) a norm receives DTensors: the input
-sharded along the sequence (``Shard(1)``) or replicated, and its weight replicated. The kernels
-work on plain tensors, so :func:`dtensor_call` runs them on each rank's local shard and wraps the
-results back, the way torch's own DTensor rules serve ``nn.RMSNorm`` / ``nn.LayerNorm``:
-
-* A norm acts on each row (the last, hidden dim) independently, so any sharding of the leading
-  dims is served by normalising the local rows: outputs keep the input's placements.
-* The weight (and bias) gradient is a sum over rows. On a mesh dim where the input is sharded,
-  each rank holds part of that sum, so the local gradient is handed back as ``Partial()`` on that
-  dim (``to_local(grad_placements=...)``), exactly what torch's DTensor ``rms_norm`` backward
-  gives (``weight.grad`` placements ``(Partial(sum),)`` under ``SequenceParallel``); the
-  reduction happens where the user's code turns it into ``Replicate`` (the optimizer step,
-  ``full_tensor()``, gradient clipping). Where the input is replicated the gradient is too.
-* A sharded hidden dim (a row split over ranks), a ``Partial`` input (an unreduced sum) or a
-  sharded weight would need communication inside the norm: refused with a ``ValueError`` that
-  names the argument and its placement.
-
-Dropout under sharding: each rank draws its own per-row seeds from its own generator. Ranks
-seeded alike draw alike, which a replicated input needs and a sharded one tolerates (the masks
-of local row ``i`` then coincide across ranks); seed the ranks differently to decorrelate them.
-
-Wiring (one line per public function): ``@dtensor_aware`` above ``layer_norm_fn``,
-``rms_norm_fn`` and the ``dropout_add_*`` functions; calls without DTensors pay one
-``isinstance`` per argument.
+"""DTensor inputs (tensor and sequence parallelism) for the functional API: :func:`dtensor_call`
+normalises each rank's local rows and wraps the results with the input's placements; the weight's
+gradient comes back ``Partial()`` on mesh dims where the input is sharded, as torch's own DTensor
+norms give it. Shardings that would need communication inside the norm (a sharded hidden dim, a
+``Partial`` input, a sharded weight) raise a ``ValueError`` naming the argument. docs/hf.md,
+"Tensor and sequence parallelism", says more, dropout under sharding included.
 """
 
 from __future__ import annotations

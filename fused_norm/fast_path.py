@@ -1,21 +1,11 @@
 """The C++ fast path of eager calls: its build, its loading, and recipes from recorded calls.
 
-A Python autograd Function costs more host time than torch's one-op norms before it launches
-anything (docs/design.md, "The hot path"). ``csrc/fast_path.cpp`` replays a call signature in
-C++ instead: it allocates what the Python path allocated, launches each compiled kernel with
-``cuLaunchKernel`` and the tensors' addresses, and records a C++ autograd node whose backward
-runs without Python. What it replays is recorded from the Python path itself: ``ops`` runs a
-call of the signature with a :class:`Recording` active, which logs every allocation
-(``ops._empty``) and direct launch (``ops._Launch``); a tensor no slot holds (a copy, a
-workspace) or a launch that did not go direct leaves the signature on the Python path.
-
-The extension is built ahead of use (``python -m fused_norm.build`` after installing; ``make
-setup`` and ``make gpu-test`` run it on machines with a GPU) into ``$FUSED_NORM_BUILD_DIR``
-(default ``~/.cache/fused_norm``), under a name that hashes its source and the torch version; a
-process only loads it, never builds it (a first call must not wait a minute for a compiler).
-Where it is built it serves CUDA calls unless ``FUSED_NORM_FAST_PATH=0`` was set before
-fused_norm is imported; where it is not, a warning says so once and the Python path serves
-(``tests/gpu/test_gpu_fast_path.py`` compares the two bit for bit).
+``csrc/fast_path.cpp`` replays a call signature in C++: the allocations and direct launches that
+``ops`` logged while a :class:`Recording` was active, and a C++ autograd node whose backward runs
+without Python (docs/design.md, "The C++ fast path"). Built ahead by ``python -m fused_norm.build``
+into ``$FUSED_NORM_BUILD_DIR`` (default ``~/.cache/fused_norm``) under a name hashing its source
+and the torch version; a process only loads it. ``FUSED_NORM_FAST_PATH=0``, set before import,
+keeps every call on the Python path.
 """
 
 from __future__ import annotations

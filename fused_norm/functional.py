@@ -1,17 +1,9 @@
 """The functional API, its autograd Functions and the backend switch.
 
 ``layer_norm_fn`` / ``rms_norm_fn`` are call-compatible with flash-attn's Triton layer norm,
-``dropout_add_*`` with its CUDA-era wrappers. All of them end in :func:`fused_norm`, which
-returns ``(y, y1, residual_out, mask, mask1)``.
-
-The hot path: every property of a call that can change its validation or its launch (each
-tensor's type, dtype, shape, strides, device, ``requires_grad`` and 16-byte alignment, the
-scalars and flags, grad mode, the backend variable) forms a key. The first call with a key
-validates it (``checks.check_args``: a bad call raises there, and nothing is cached) and builds a
-call object that holds every decision (``ops.KernelCall``: plans, compiled kernels, which
-tensors to save); a later call with that key is a dictionary lookup and the launches.
-Under ``torch.compile`` nothing is cached here: the call is traced through ``_TracedNorm``,
-whose launches are ``torch.library.triton_op``s that Inductor compiles into its graph.
+``dropout_add_*`` with its CUDA-era wrappers; all end in :func:`fused_norm`, which returns
+``(y, y1, residual_out, mask, mask1)``. A call's key (docs/design.md, "The hot path") finds its
+``ops.KernelCall``; under ``torch.compile`` the call is traced through ``_TracedNorm`` instead.
 """
 
 from __future__ import annotations

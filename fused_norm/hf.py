@@ -1,44 +1,9 @@
 """Drop fused norms into existing models: ``replace_norms(model)`` / ``restore_norms(model)``.
 
-The layer above the modules (Liger-Kernel's monkey_patch, minus patching at import time): it
-changes nothing but the model instance it is given, and touches no kernel.
-
-How a module is swapped. Each known norm module keeps its identity: its ``__class__`` becomes
-``Fused<Class>``, a subclass made once per class whose only override is ``forward`` (a call of
-``fused_norm.layer_norm_fn``). So the module keeps its parameters (the same objects), buffers,
-``state_dict`` keys, dtype, device, ``requires_grad``, hooks and every attribute; ``isinstance``
-checks and transformers' name-based checks (``"RMSNorm" in type(m).__name__``) still hold; and
-``restore_norms`` only sets ``__class__`` back. Building new modules instead would break
-references and hooks users hold, and would have to rebuild what restore must undo.
-
-How a class is known. ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm`` (and subclasses that keep
-their ``forward``) by identity; transformers' norms by their code: a class is replaced when the
-syntax tree of its ``forward`` (and ``_norm``) equals one of the templates below, with comments,
-docstrings, annotations and the name of the input argument ignored. Equal code computes the
-same function, so this covers every model family that copies a template (in transformers 5.24:
-142 classes copy Llama's RMSNorm, 13 Gemma's, 12 OLMo-2's), and a class whose code changes in a
-later release is left alone with a warning rather than silently replaced with stale maths.
-
-Numerics. The kernels normalise and scale in fp32 and round once, to the output dtype:
-* Gemma (``(xhat * (1 + w.float())).type_as(x)``), OLMo-2 (``(w * xhat).to(dtype)``) and torch's
-  norms compute the same and also round once: the results differ only in fp32 rounding order.
-* Llama (``w * xhat.to(dtype)``) rounds xhat to the input dtype before the product, which rounds
-  again; the kernel rounds once, so in bf16 the two differ by up to about one bf16 ulp. Its
-  output dtype, ``promote_types(w.dtype, x.dtype)``, is kept.
-
-``fuse_residual=True``. A decoder layer whose forward matches a layer template below
-(``_LLAMA_LAYER``: Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, ..., 80 classes in transformers
-5.24; ``_SANDWICH_LAYER``: Gemma 2 and 3) gets a ``Fused<Class>`` too, whose forward adds the
-attention branch to the residual stream inside the next norm's kernel (``prenorm=True`` returns
-the normalised sum and the sum). A class swap, not an instance-level forward: transformers 5.24
-applies gradient checkpointing by wrapping each decoder class's ``forward`` when the class is
-created (``GradientCheckpointingLayer.__init_subclass__``; 5.17 does it in ``__call__``), and a
-subclass gets that wrapper where an instance attribute would bypass it.
-The MLP branch's add stays unfused: fusing it into the next layer's norm changes what flows
-between decoder layers (a pair instead of the hidden states), which the model's own layer loop,
-transformers' ``output_hidden_states`` capture (a hook on each layer's output) and gradient
-checkpointing (one checkpoint per layer call) all rely on; it would mean replacing every
-family's model forward, which differs between transformers releases.
+A known norm module keeps its identity and parameters: its ``__class__`` becomes ``Fused<Class>``,
+whose only override is ``forward``. Classes are known by identity (torch's norms) or by the syntax
+tree of their ``forward`` (transformers' templates below); ``fuse_residual=True`` swaps matching
+decoder layers too. The how, the numerics and the limits: docs/hf.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Compiling and launching Triton kernels with little host time.
 
-``kernel[grid](...)`` binds and specialises every argument on each call before it finds the
-compiled kernel: ~20 µs of host time per launch on the GPU machines' CPUs. ``ops`` launches a
-kernel that way once per call signature and keeps what it returned (:class:`Compiled`); a
-later call of that signature calls the compiled kernel's C launcher directly with the
-arguments' addresses (~3-5 µs). The signature (``functional._spec``) covers everything Triton
-specialises on — dtypes, 16-byte alignment, the integer arguments' values — so the kernel kept
-is the one Triton would choose. Launch hooks (a profiler's), Triton's debug mode and the
-interpreter go through ``kernel[grid]`` every time.
-
-:func:`warm` compiles a kernel in a background thread (the backward's, while the forward's own
-first compile runs), with :class:`Stand`-ins for tensors that do not exist yet.
+``kernel[grid](...)`` binds and specialises every argument on each call (~20 µs of host time);
+``ops`` launches that way once per call signature, keeps the compiled kernel (:class:`Compiled`)
+and afterwards calls its C launcher directly with the arguments' addresses (~3-5 µs); the
+signature covers all Triton specialises on, so the kernel kept is the one it would pick. Launch
+hooks, Triton's debug mode and the interpreter always go through ``kernel[grid]``. :func:`warm`
+compiles ahead in a background thread, with :class:`Stand`-ins for tensors not yet made.
 """
 
 from __future__ import annotations

@@ -311,7 +311,6 @@ class KernelCall:
         self._fwd = {k: _Launch(_fused_norm_fwd_kernel, _FWD_NAMES, grid, self.dev, self.fconst,
                                 opts) for k in (True, False)}  # fmt: skip
         self.x_stride = self.x_rs if self.x_rs is not None else n  # (a copy's: n)
-        self.x_dtype = x.dtype
         self.dtypes = (x.dtype, None if residual is None else residual.dtype,
                        None if x1 is None else x1.dtype)  # fmt: skip
         self.param_dtypes = tuple(None if t is None else t.dtype

@@ -33,11 +33,7 @@ def _dropout(x: Tensor, p: float, mask: Optional[Tensor]) -> Tensor:
 
 
 def _rms_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
-    if hasattr(F, "rms_norm"):  # torch >= 2.4: accumulates in fp32 for 16-bit inputs
-        out = F.rms_norm(x, x.shape[-1:], weight=weight, eps=eps)
-    else:  # pragma: no cover - old torch
-        xf = x.float()
-        out = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    out = F.rms_norm(x, x.shape[-1:], weight=weight, eps=eps)  # fp32 sums for 16-bit inputs
     return out + bias if bias is not None else out
 
 

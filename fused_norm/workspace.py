@@ -1,28 +1,11 @@
-"""Exchange workspaces that clear themselves, so that no fill kernel runs before a launch.
+"""Exchange workspaces that clear themselves, so that no fill kernel runs before a launch: each
+(thread, device, stream, fill value) keeps a pair of int64 buffers and alternates between them, a
+launch cleaning in one the words it publishes in the other (docs/design.md, "Workspaces").
 
-The split forward (a row over several programs) and the exchanging backwards (a row's column
-blocks or slices) publish per-row words into an int64 workspace whose every word must start at
-a known value (the forward's 0, the backward's -1). Filling a fresh buffer is a kernel of its
-own: about 1 µs plus the gap before the next kernel, per call (bench/NOTES.md #58, #76).
-
-Instead each (thread, device, stream, fill value) keeps a pair of buffers and alternates between
-them. A launch publishes into one, whose words it needs are clean, and each program sets the
-words it publishes to the fill value in the other one too: so the launch leaves the other
-buffer's first ``words`` words clean for the next launch. Launches on one stream run in order:
-the next launch, which takes the other buffer, starts after those stores, and after the launch
-before, which used it, has finished.
-
-The host keeps, per buffer, the range of words that may be dirty. A launch needing more words
-than the launch before it cleaned (the row count grew) first has the rest filled, by a fill
-kernel as before, and a pair too small is replaced by a bigger one; with a fixed shape neither
-happens after the first call. The pairs stay allocated (16 bytes a word, a word per row and
-part or slice: 512 KB for 1024 rows of 32 parts). A buffer handed out stays pending until
-:func:`done` says its launch is enqueued, so a launch that raises, or anything interrupting in
-between, leaves the pair refused and the next call makes a fresh one. Keys hold the thread, because
-two threads issuing on one stream could otherwise enqueue in another order than they took
-buffers. Under CUDA graph capture a replay repeats the captured launches with the same
-buffers, so there (and with ``FUSED_NORM_WS_SELF_CLEARING=0``) every call gets a freshly filled
-buffer, as before, and a scratch one for the words the kernel would set.
+Keys hold the thread because two threads issuing on one stream could otherwise enqueue in another
+order than they took buffers. Pairs stay allocated (16 bytes a word, a word per row and part or
+slice: 512 KB for 1024 rows of 32 parts). Under CUDA graph capture, and with
+``FUSED_NORM_WS_SELF_CLEARING=0``, every call gets a freshly filled buffer and a scratch one.
 """
 
 from __future__ import annotations

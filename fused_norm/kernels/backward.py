@@ -1,28 +1,8 @@
-"""The backward kernel, the row-sums pre-pass of rows wider than one block, and the sum of the
-backward's partial parameter gradients.
-
-Design notes
-------------
-* A persistent grid of row blocks, at most as many as fit on the device at once (the host
-  asks the compiled kernel, see the note above _fused_norm_bwd_kernel): program ``(p, c)``
-  owns the contiguous rows ``[p * rows_per_program, (p + 1) * rows_per_program)`` and the
-  column block ``c``, keeps fp32 partial sums of dW/dB for its columns in registers and writes
-  them once to row ``p`` of its ``(num_row_blocks, N)`` slab of one fp32 buffer; the host then
-  launches ``_sum_partials_kernel``, which sums every slab over its row blocks in a fixed order
-  and casts each gradient to its parameter's dtype. No atomic accumulation: the result is
-  bitwise deterministic, and few row blocks keep the partials' sum small.
-* A row that fits one block (``NUM_CHUNKS == 1``) takes its sums c1, c2 in registers (narrow
-  rows: a tile of TILE_ROWS rows at once, ``_bwd_row_tiles``, so that a tile's loads are all in
-  flight before its sums; a width that is not a power of two: two blocks, BLOCK_N then TAIL_N
-  columns, as the forward's). Wider rows go to column blocks on different programs (the
-  partials then span BLOCK_N columns, not N, and there are few row blocks however wide the
-  row), which get c1, c2 either by exchanging their blocks' partial sums a row ahead
-  (EXCHANGE, one word per row and block, written once by compare-and-swap: the row is read once
-  from memory, and again from L2) or, where the host does not let them wait on each other,
-  from ``_bwd_row_sums_kernel`` (a program per row; one more read of s and dy).
-* The statistics are not recomputed: the forward stored mean and rstd, and s is the stream as
-  stored (or x itself).
-* Row offsets are int64 (``row.to(tl.int64) * stride``), so M * N may exceed 2**31.
+"""The backward kernels: ``_fused_norm_bwd_kernel`` (a persistent grid of row blocks writing
+fp32 partial parameter gradients), ``_bwd_row_sums_kernel`` (the row sums c1, c2 of rows wider
+than one block whose column blocks do not exchange them) and ``_sum_partials_kernel`` (the
+partials summed in a fixed order and cast to each parameter's dtype). Grid, layouts and why:
+docs/design.md, 'Backward'; the maths: 'The operation'.
 """
 
 import triton
@@ -350,15 +330,7 @@ def _bwd_row_tiles(
             tl.sum(dls, axis=0))  # fmt: skip
 
 
-# The maths (per row of N columns, fp32; s, mean, rstd as the forward stored them):
-#   xhat = (s - mean) * rstd   (RMSNorm: s * rstd)
-#   wdy  = w * dy (+ w1 * dy1)          (w + 1, w1 + 1 with ZERO_CENTERED_WEIGHT)
-#   c1   = sum(xhat * wdy) / N,  c2 = sum(wdy) / N
-#   ds   = (wdy - (xhat * c1 + c2)) * rstd   (RMSNorm: (wdy - xhat * c1) * rstd)
-#   ds  += dresidual_out;  dresidual = ds
-#   dx   = ds * keep / (1 - p) * rowscale * layerscale,  dx1 = ds * keep1 / (1 - p)
-#   dw  += dy * xhat,  db += dy,  dw1 += dy1 * xhat,  db1 += dy1,  dls += dx_pre * x0
-#   (dx_pre: dx before layerscale; the partials summed over a program's rows)
+# The maths: docs/design.md, 'The operation' (s, mean and rstd as the forward stored them).
 #
 # M and the two integers that follow from the program count are not specialised on, so that one
 # compiled kernel serves every grid: the host asks that kernel how many programs fit on a

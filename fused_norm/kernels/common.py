@@ -1,24 +1,8 @@
 """Helpers shared by the forward and backward kernels (and the Gluon backward): the dropout
-draws, the paired sums, the packing of a program's partial sums into one 64-bit word.
-
-Design notes
-------------
-* Dropout masks are never stored for the backward: each row has a seed (< 2**32, kept as an
-  int64), and Philox(seed, col) regenerates the same keep/drop decision in the backward. Rows
-  of ``x`` use ``SEEDS[row]``, rows of ``x1`` ``SEEDS[M + row]``. The forward either reads
-  them (drawn by ``torch.randint``: CUDA graph capture, torch.compile) or, given the call's
-  key (``SEED_KEY``, eager calls), derives seed ``i`` as the key's low word plus ``i`` mod
-  2**32 (no two seeds of a call alike, below 2**32 of them) and stores it for the backward.
-  One Philox4x32 call gives the 16-bit draws of eight columns (``_octet_bits``): an eighth of
-  the arithmetic of one ``tl.rand`` per column, which made dropout compute-bound.
-* Two sums of one row are taken in one reduction (``_pair_sums``): one exchange between warps
-  instead of two. LayerNorm's M2 then comes from sum(s) and sum(s^2) and is taken again exactly
-  where that cancels (``_cancels``).
-* Programs that exchange partial results (split forward rows, the backward's column blocks
-  and Gluon slices) publish them as one int64 word, written once by compare-and-swap or
-  exchange, so that a reader sees either nothing or the whole pair.
-* Nothing here, nor in the other kernel files, imports the host layers: the interpreter flag
-  is read from the environment as Triton reads it.
+draws, the paired sums, the packing of a program's partial sums into one 64-bit word. Why:
+docs/design.md, 'Dropout' and 'Forward: how a row is laid out'. Like every kernel file, this
+imports nothing from the host layers: the interpreter flag is read from the environment, as
+Triton reads it.
 """
 
 import os

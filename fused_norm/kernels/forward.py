@@ -1,40 +1,8 @@
-"""The forward kernel: dropout + residual add + LayerNorm / RMSNorm of each row, one kernel
-specialised by constexpr flags (``HAS_*``: an optional input is present, ``STORE_*``: an
-optional output is written).
-
-Design notes
-------------
-* The row is read once: every optional input is combined into the fp32 pre-norm sum ``s`` in
-  registers, ``s`` is stored as the residual stream if asked (and normalised as stored, rounded
-  to its dtype, since the backward and the next layer see that tensor), the statistics are
-  taken from ``s`` in registers, and ``y = xhat * w + b`` is written. LayerNorm takes sum(s)
-  and sum(s^2) in one joint reduction and M2 = sum(s^2) - sum(s) * mean, unless that cancels
-  (the mean beyond ~2.6 standard deviations, ``_cancels``): then M2 = sum((s - mean)^2), a
-  second pass over the registers, as accurate as Welford. The weights are loaded after the
-  statistics, where they are used.
-* Four layouts of a row, chosen on the host:
-  - one block (``NUM_CHUNKS == 1``, ``_fwd_row``): the row whole in registers; a width that is
-    not a power of two may be held as two power-of-two blocks, ``BLOCK_N`` then ``TAIL_N``
-    columns (5120 = 4096 + 1024), instead of one block padded to 8192, whose masked half still
-    costs registers and issue slots;
-  - a tile of narrow rows (``ROWS_PER_PROGRAM > 1``, ``_fwd_rows``): a program per row leaves a
-    few hundred columns too little to keep loads in flight, so every load of several rows is
-    issued before the first reduction;
-  - chunks (``NUM_CHUNKS > 1``): two sweeps over the row. The first combines the inputs chunk
-    by chunk, stores the stream and sums s and s^2 per column lane, reduced once per row (one
-    exchange between warps per row, not two per chunk as merging each chunk's (mean, M2)
-    takes); the second re-reads the stream (or forms s again) and normalises. The first
-    sweep's loads ask L2 to keep the row, the second's to let it go: the second sweep then
-    reads from L2 what the first brought in;
-  - split rows (``SPLIT > 1``, ``_fwd_split_row``): rows too wide for one program's registers
-    (wider than 64 KB) are cut into parts of a few thousand columns, one program each, which
-    exchange their (mean, M2) through an int64 workspace and wait for each other, so that the
-    row is still read once. Where ``s`` equals a 16-bit tensor (``HOLD``: x itself for a norm
-    of x alone) the part holds that tensor across the wait and widens it again exactly
-    afterwards: half the registers, so twice the parts resident per multiprocessor.
-* ``FULL_ROW``: the width as a constant where the row fills its blocks (or parts), so that the
-  column masks fold away.
-* Row offsets are int64 (``row.to(tl.int64) * stride``), so M * N may exceed 2**31.
+"""The forward kernel, ``_fused_norm_fwd_kernel``: dropout + residual add + LayerNorm / RMSNorm
+of each row, one kernel specialised by constexpr flags (``HAS_*``: an optional input is present,
+``STORE_*``: an optional output is written) and by the row's layout, chosen on the host (one
+block, a tile of narrow rows, chunks, split rows). Layouts and why: docs/design.md, 'Forward:
+how a row is laid out'; the maths: 'The operation'.
 """
 
 import triton
@@ -547,17 +515,8 @@ def _chunk_sum(
     return s
 
 
-# The maths (per row of N columns, fp32):
-#   s     = [dropout(x * rowscale * layerscale)] + [dropout(x1)] + [residual]
-#           (stored as RESIDUAL_OUT if asked, and then taken as stored)
-#   LayerNorm: mean = sum(s) / N,  m2 = sum((s - mean)^2)
-#              (= squares - total * mean from total = sum(s), squares = sum(s^2), unless
-#              that cancels),  xhat = (s - mean) * rstd
-#   RMSNorm:   m2 = sum(s^2),  xhat = s * rstd
-#   rstd  = 1 / sqrt(m2 / N + eps)
-#   y     = xhat * w + b,   y1 = xhat * w1 + b1   (w + 1 and w1 + 1 with ZERO_CENTERED_WEIGHT)
-# Split rows merge their parts' (mean_p, m2_p) over parts of n_p columns:
-#   mean = sum(n_p * mean_p) / N,  m2 = sum(m2_p) + sum(n_p * (mean_p - mean)^2)
+# The maths: docs/design.md, 'The operation'. Split rows merge their parts' (mean_p, m2_p) over
+# parts of n_p columns: mean = sum(n_p * mean_p) / N, m2 = sum(m2_p) + sum(n_p * (mean_p - mean)^2)
 @triton.jit(do_not_specialize=["SEED_KEY"])
 def _fused_norm_fwd_kernel(
     X,             # (M, N) input x

@@ -1,56 +1,11 @@
-"""The backward of LayerNorm-type rows held by one program per multiprocessor, or cut into
-slices whose programs exchange their row sums, the rows staged through shared memory: a Gluon
-kernel (Triton's lower-level language, where a kernel allocates and addresses shared memory
-itself; ``triton.experimental.gluon``). Optional: ``AVAILABLE`` is False where the installed
-Triton has no Gluon, and the Triton backward (backward.py) then serves every row.
-
-Design notes
-------------
-* Why: the Triton backward holds its fp32 partial dW and dB in registers. A row of 16384
-  16-bit columns with both (LayerNorm with a bias) then needs 128 KB of registers for the
-  partials alone, half of an H100/H200 multiprocessor's register file, and the row's own
-  values the other half: such rows spilled when held in one program, and split into column
-  blocks that exchange their row sums they ran at 62-65 % of copy. Here one program per
-  multiprocessor stages its rows through shared memory with ``cp.async`` (STAGES rows in
-  flight), so that registers hold no row: per row, pass 1 reads the staged row for the row
-  sums c1, c2, pass 2 reads it again for dx and adds the row's terms to the partials.
-* Partial dW and dB are kept in registers, the weight in shared memory as stored (read back
-  per row): against dW in shared memory with the weight in registers as fp32 this measured
-  6-9 % faster on whole 16-bit rows of 12288-16384 columns (one row, fp16 at 16384, 2.6 %
-  slower), and it is the only layout of the sliced rows.
-  Partials are written as the Triton backward writes them (one (programs, N) fp32 slab per
-  gradient), for the same sum kernel. A norm without a bias (RMSNorm, or LayerNorm with
-  HAS_BIAS off: partial dW only) runs here too.
-* Rows that do not fit one program (16-bit rows wider than 16384 columns, rows of 4-byte
-  elements) are cut into SPLIT slices, one program each, the SPLIT consecutive programs of a
-  row block taking the same rows: each publishes its slice's partial row sums of a row as one
-  int64 word (common._pack_sums, as the Triton backward's EXCHANGE) and adds the row's SPLIT
-  words once all are there. With LAG (many slices) a program publishes the next row's sums
-  before it waits for this row's, so that the words it waits for came a row earlier and the
-  wait is short. A slice is BLOCK_N columns, or BLOCK_N and a tail of TAIL_N (two slices of a
-  row whose half is no power of two; not with LAG).
-* With a residual the row's gradient of the pre-norm sum, ds, is also the residual's (stored
-  as dresidual); with prenorm the gradient of the residual stream (dresidual_out) comes in,
-  staged with s and dy and added in pass 2 (or, DRES_REGS, loaded a row ahead into
-  registers: fp32 rows with dropout, whose shared memory then has room to move the
-  keep-decisions to 4 columns a thread); with dropout dx is ds through x's keep-mask,
-  regenerated from the row's seed by the same Philox draws as the Triton kernels' (common's
-  _octet_bits and _keeps, called from here). x1's second output (HAS_W1: y1 from weight1 and
-  bias1, in slices) adds dy1, staged with the rest, to the row's terms (wdy = w * dy + w1 *
-  dy1) and its partials dW1, dB1 (registers, the second weight in shared memory); x1's
-  gradient is then dx. What the kernel does not do (x1's dropout, rowscale, layerscale) stays
-  with the Triton backward.
-* Gluon is experimental and its names move between Triton releases (``thread_barrier`` became
-  ``barrier``, ``async_copy_global_to_shared`` became ``async_load``); both spellings are
-  resolved here. There is no Gluon under the CPU interpreter: the host chooses this kernel
-  only for CUDA devices, and the GPU tests check it against the reference.
-
-The maths (per row, fp32; ``mean`` 0 for RMSNorm, ``c2`` unused there):
-    xhat = (s - mean) * rstd,  wdy = w * dy (+ w1 * dy1)
-    c1 = sum(xhat * wdy) / N,  c2 = sum(wdy) / N   (summed over the slices' words with SPLIT > 1)
-    ds = (wdy - (xhat * c1 + c2)) * rstd   (RMSNorm: (wdy - xhat * c1) * rstd)  + dresidual_out
-    dresidual = ds,  dx = ds * keep / (1 - p)
-    dW += dy * xhat,  dB += dy,  dW1 += dy1 * xhat,  dB1 += dy1
+"""The Gluon backward, ``_bwd_smem_kernel``: rows held by one program per multiprocessor, or cut
+into slices whose programs exchange their row sums, staged through shared memory. Gluon
+(``triton.experimental.gluon``) is Triton's lower-level language, where a kernel allocates and
+addresses shared memory itself; it is experimental and its names move between Triton releases
+(``thread_barrier`` became ``barrier``, ``async_copy_global_to_shared`` became ``async_load``):
+both spellings are resolved here. ``AVAILABLE`` is False where the installed Triton has no Gluon;
+the Triton backward (backward.py) then serves every row. Why, and which rows: docs/design.md,
+'Backward' (Hopper shared-memory backward); the maths: 'The operation'.
 """
 
 from __future__ import annotations
