@@ -667,7 +667,7 @@ class _BwdLaunches:
                                                             t[4], t[16]),
                                             self._sums_constexprs(), launch.options(SUMS_WARPS)))  # fmt: skip
         for stages in (1, 3):  # the partials' sum: its layout at any programs count
-            red, opts = _partials_sum(self.d, plan, self.n, len(self.params),
+            red, opts = _partials_sum(self.d, self.n, len(self.params),
                                       3 if stages == 1 else 1 << 30)  # fmt: skip
             g = [launch.Stand(d, (self.n,)) for d in self.params] + [None] * (5 - len(self.params))
             self.pending.append(launch.warm(_sum_partials_kernel, (1, 1), dev,
@@ -770,22 +770,20 @@ class _BwdLaunches:
                            self._sums_constexprs(), launch.options(SUMS_WARPS))  # fmt: skip
         bwd = _Launch(self._kernel(), bwd_names(plan), self._grid(programs), dev,
                       self.constexprs, self._opts())  # fmt: skip
-        red_c, red_opts = _partials_sum(self.d, plan, n, len(self.params), programs)
+        red_c, red_opts = _partials_sum(self.d, n, len(self.params), programs)
         red = _Launch(_sum_partials_kernel, _RED_NAMES,
                       (H.cdiv(n, red_c["BLOCK_N"]), len(self.params)), dev, red_c, red_opts)  # fmt: skip
         self.launches = (sums, bwd, red)
 
 
-def _partials_sum(d, plan, n: int, partials: int, programs: int):
-    """The partials' sum's constexprs and launch options. On Hopper and later, after the
-    Triton backward kernel, it launches as that kernel's programmatic dependent (PDL), so its
-    launch does not wait behind the backward's last programs: +0.5 to +2.1 points of copy on
-    the backward rows at 1K-4K columns (H200, docs/tuning.md). After the Gluon kernel it
-    gained at most 0.8 points: not taken there."""
-    pdl = d.pdl and not plan.hopper
-    c = dict(H.partials_sum_layout(d, n, partials, programs), GDC=pdl)
+def _partials_sum(d, n: int, partials: int, programs: int):
+    """The partials' sum's constexprs and launch options. On Hopper and later it launches as the
+    backward kernel's programmatic dependent (PDL), so its launch does not wait behind the
+    backward's last programs: +0.3 to +2.1 points of copy on the backward rows (H200,
+    docs/tuning.md)."""
+    c = dict(H.partials_sum_layout(d, n, partials, programs), GDC=d.pdl)
     opts = launch.options(PARTIALS_SUM_WARPS)
-    if pdl:
+    if d.pdl:
         opts["launch_pdl"] = True
     return {k: c[k] for k in _RED_NAMES}, opts
 

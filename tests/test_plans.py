@@ -323,8 +323,8 @@ def check_grid(d: Device, r: heuristics.BwdRow, plan) -> None:
         # The sum's grid (cdiv(n, BLOCK_N), partials) covers every column of every slab.
         assert heuristics.cdiv(r.n, layout["BLOCK_N"]) * layout["BLOCK_N"] >= r.n
         # Launched as the backward's programmatic dependent only where it waits for it (GDC).
-        red, opts = ops._partials_sum(d, plan, r.n, r.partials, p)
-        assert bool(opts.get("launch_pdl")) == red["GDC"] == (d.pdl and not plan.hopper)
+        red, opts = ops._partials_sum(d, r.n, r.partials, p)
+        assert bool(opts.get("launch_pdl")) == red["GDC"] == d.pdl
 
 
 def check_all(w: Workload, n: int, devices=DEVICES) -> Rows:
