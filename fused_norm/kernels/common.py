@@ -155,3 +155,31 @@ def _pack_sums(p1, p2):
     hi = p2.to(tl.uint32, bitcast=True)
     hi = tl.where(hi == 0xFFFFFFFF, 0x7FFFFFFF, hi).to(tl.uint64)
     return (lo | (hi << 32)).to(tl.int64, bitcast=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# L2 prefetch (exchange words of split rows and slices)
+# ----------------------------------------------------------------------------------------------
+
+# One predicated PTX prefetch into L2 of address $1 where $2 is not 0 ($0: a dummy output); the
+# second keeps the line in L2 at evict-last priority.
+_PREFETCH_L2_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }"
+)
+_PREFETCH_L2_LAST_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2::evict_last [$1]; }"
+)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, live, EVICT_LAST: tl.constexpr):
+    """A PTX ``prefetch.global.L2`` of each of ``ptrs`` where ``live`` (int32) is not 0 (with
+    EVICT_LAST at evict-last priority): the line comes into L2 while the program does other work,
+    and no register waits for it (inline PTX: NVIDIA GPU builds only; the host asks for it
+    there). Called from the Gluon backward too."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(_PREFETCH_L2_LAST_ASM, "=r,l,r", [ptrs, live],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, live], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip

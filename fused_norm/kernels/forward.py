@@ -14,6 +14,7 @@ from .common import (
     _add_pairs,
     _cancels,
     _keep_mask,
+    _prefetch_l2,
     _store_row_seeds,
     _sums,
 )
@@ -315,21 +316,6 @@ def _publish_missing_parts(
             tl.atomic_cas(WS + row * SPLIT + p, zero, _pack_stats(mean, m2), sem="relaxed")
 
 
-# One predicated PTX prefetch into L2 of address $1 where $2 is not 0 ($0: a dummy output).
-_PREFETCH_L2_ASM = tl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }"
-)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, live):
-    """A PTX ``prefetch.global.L2`` of each of ``ptrs`` where ``live`` (int32) is not 0: the line
-    comes into L2 while the program does other work, and no register waits for it (inline PTX:
-    NVIDIA GPU builds only; ops asks for it there)."""
-    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, live], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit
 def _fwd_split_row(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
@@ -383,7 +369,7 @@ def _fwd_split_row(
         # workspace's words were last written a launch ago and have left L2, and the atomic's
         # trip to memory sits on every partner's wait (+2-4% on 64K-256K rows).
         word = row * SPLIT + part + tl.zeros((1,), dtype=tl.int64)
-        _prefetch_l2(WS + word, (word % 16 == 0).to(tl.int32))
+        _prefetch_l2(WS + word, (word % 16 == 0).to(tl.int32), False)
     s = _combine_inputs(
         X, RESIDUAL, X1, ROWSCALE, LAYERSCALE, SEEDS, MASK, MASK1,
         row, col0, ccols, col_mask, M, N, stride_x_row, stride_res_row, stride_x1_row,

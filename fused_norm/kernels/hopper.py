@@ -28,7 +28,7 @@ if AVAILABLE:
     AVAILABLE = _barrier is not None and _async_load is not None
 
 if AVAILABLE:
-    from .common import _keeps, _octet_bits, _pack_sums
+    from .common import _keeps, _octet_bits, _pack_sums, _prefetch_l2
 
     @gluon.jit
     def _stage(PTR, buf, tbuf, slot, r, live, cols, tcols, N, stride_row, TAIL_N: gl.constexpr):
@@ -199,6 +199,19 @@ if AVAILABLE:
         gl.store(WS_NEXT + row * SPLIT + part, -1)
 
     @gluon.jit
+    def _prefetch_words(WS, first, count, part, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Ask L2 for the 128-byte lines of the ``count`` words at WS + ``first`` (a row
+        block's exchange words, last written a launch ago and gone from L2): the block's SPLIT
+        programs share the lines (``part`` takes every SPLIT-th), a thread a line, at most
+        32 * NUM_WARPS each, kept in L2 at evict-last priority until the block's last row."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        line = gl.arange(0, 32 * NUM_WARPS, layout=lanes) * SPLIT + part
+        n_lines = (count + 15) // 16
+        live = (line < n_lines).to(gl.int32)
+        ptrs = WS + first + gl.minimum(line, gl.maximum(n_lines, 1) - 1).to(gl.int64) * 16
+        _prefetch_l2(ptrs, live, True)
+
+    @gluon.jit
     def _wait_sums(WS, row, SPLIT: gl.constexpr, SPLIT_P2: gl.constexpr, NUM_WARPS: gl.constexpr):
         """The row sums of ``row`` over its SPLIT slices: read the row's words until all are
         published and add them. Every thread polls and adds its own copy of the words, in
@@ -291,6 +304,7 @@ if AVAILABLE:
         HAS_W1: gl.constexpr = False,  # a second output y1 = xhat * w1 (+ b1): x1's path
         HAS_B1: gl.constexpr = False,
         DRES_REGS: gl.constexpr = False,  # dresidual_out a row ahead in registers, not staged
+        WS_PREFETCH: gl.constexpr = False,  # SPLIT > 1: the row block's words asked of L2 first
     ):  # fmt: skip
         # One layout per part for every tensor of it: each thread copies, reads and accumulates
         # the same columns.
@@ -325,6 +339,9 @@ if AVAILABLE:
                        tr_buf, ty1_buf, k, row_start + k, row_end, cols, tcols, N, stride_s_row,
                        stride_dy_row, stride_dres_out_row, stride_dy1_row, TAIL_N,
                        STAGE_DRES, HAS_W1)  # fmt: skip
+        if WS_PREFETCH:
+            _prefetch_words(WS, row_start * SPLIT, (row_end - row_start) * SPLIT, part, SPLIT,
+                            NUM_WARPS)  # fmt: skip
         last = gl.maximum(row_end - 1, row_start)
         dres = db  # placeholder without DRES_REGS
         if DRES_REGS:
