@@ -104,8 +104,8 @@ def candidates(direction, kind, n, plan, entry, explore):
     ``n`` columns. Without ``explore``: the table's entry and the rule's warps halved and
     doubled. With it, every kind of override the tables hold, so that a GPU without a table
     can derive one: register caps (alone and with those warps), the full-row flag, whole waves
-    (backward), and in the forward chunked sweeps of plain 16-bit norms, split parts and a
-    filled workspace for split rows."""
+    (backward; for the Gluon kernel's rows, the Triton backward instead), and in the forward
+    chunked sweeps of plain 16-bit norms, split parts and a filled workspace for split rows."""
     out = [entry] if entry else []
     w = plan.num_warps
     warps = [v for v in (w // 2, w * 2) if 1 <= v <= 32]
@@ -117,7 +117,7 @@ def candidates(direction, kind, n, plan, entry, explore):
                 out += [{"maxnreg": r, **({"warps": v} if v != w else {})}
                         for v in (w, *warps) if r * v * 32 <= 65536]  # fmt: skip
         if direction == "bwd":
-            out.append({"whole_waves": True})
+            out.append({"gluon": False} if plan.hopper else {"whole_waves": True})
         else:
             c = plan.constexprs
             out.append({"full_row": not c["FULL_ROW"]})

@@ -381,9 +381,12 @@ def _bwd_stages(d: Device, r: BwdRow, block, chunks, tail, tile_rows, exchange) 
 
 def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
     """The backward's launch choices for rows like ``r`` on ``d``."""
-    hopper = _hopper_plan(d, r)
-    if hopper is not None:
-        return hopper
+    tags = dtype_tags(r.x_dtype, r.stream_bytes, r.weight_bytes)
+    # A table entry {"gluon": False} keeps rows of that width on the Triton backward.
+    if tuned(d, "bwd", kinds(r.base, r.is_rms), tags, (r.n,)).get("gluon", True):
+        hopper = _hopper_plan(d, r)
+        if hopper is not None:
+            return hopper
     n = r.n
     eb = max(r.s_bytes, r.dy_bytes, r.x_dtype.itemsize)
     w4 = r.weight_bytes == 4
@@ -393,7 +396,6 @@ def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
     tail = _bwd_tail(n, block, chunks, p, r.dropout, plain, eb)
     # Entries for a padded width serve the rows held in that one block (not those held as two).
     widths = (n,) if tail else (n, f"pad{next_power_of_2(max(n, 8))}")
-    tags = dtype_tags(r.x_dtype, r.stream_bytes, r.weight_bytes)
     own = tuned(d, "bwd", kinds(r.base, r.is_rms), tags, widths)
     warps = (
         4 if exchange else (own.get("warps") or _bwd_warps(block, tail, p, r.dropout, plain, eb))
