@@ -12,6 +12,8 @@ register caps); which layout a row takes now is heuristics' business, and the ma
 the result whatever it is. Tests that force a layout patch heuristics' constants or give
 plan overrides (_helpers.patched_config, split_constexprs); each asks ops' plan cache
 which plan ran (``ops._PLANS`` after ``ops.clear_plans()``).
+``variant log #n``: row n of the old variant log, in git history
+(``git show 0825aa7:bench/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -97,11 +99,11 @@ MATRIX = (
     + [("drop_add_ln_prenorm", 5120, BF16), ("rms", 5120, BF16), ("x1_w1", 2560, BF16)]
     + [("ln", 3000, FP32), ("add_rms_prenorm", 6144, BF16)]
     # LayerNorm's backward at 8K-10K 16-bit columns as one program of two blocks, with
-    # dropout too and beside fp32 weights (bench/NOTES.md #65); 64
+    # dropout too and beside fp32 weights (variant log #65); 64
     # KB rows split with dropout or x1 .
     + [("ln", 10240, BF16), ("drop_add_ln_prenorm", 32768, BF16), ("x1_w1", 32768, BF16)]
     # The backward's row-sums pre-pass in parts of a row, whose shares a second kernel adds
-    # (16-bit weights; bench/NOTES.md #84).
+    # (16-bit weights; variant log #84).
     + [("drop_add_ln_prenorm", 131072, BF16), ("x1_w1", 262144, BF16)]
     # ... 16 of them for 16-bit rows without x1 at 256K (#107)
     + [("drop_add_ln_prenorm", 262144, FP16)]
@@ -119,7 +121,7 @@ MATRIX = (
     # RMSNorm of x alone at 6144 in the padded block .
     + [("add_rms_prenorm", 8192, BF16), ("add_rms_prenorm", 5120, FP16)]
     + [("add_rms_prenorm", 1024, BF16), ("rms", 6144, BF16)]
-    # ... and of fp16 rows under a cap of 128 (bench/NOTES.md #112; 8192 above); since #113
+    # ... and of fp16 rows under a cap of 128 (variant log #112; 8192 above); since #113
     # the padded rows (6144, 7168) on 16 warps under 64, 8192 too on Triton 3.9
     + [("rms", 6144, FP16), ("rms", 7168, FP16), ("rms", 8192, BF16), ("rms_w32", 6144, BF16)]
     # The x1 path with dropout on 4 warps at 1025-2048 columns (#114), 2 at 1024
@@ -128,7 +130,7 @@ MATRIX = (
     # ... and without dropout at 1024 columns: 4-byte rows on 4 warps on Triton 3.6, 16-bit
     # rows on Triton 3.9 (#116)
     + [("x1_w1", 1024, FP32), ("x1_w1_fp32res", 1024, BF16), ("x1_w1", 1024, BF16)]
-    # Rows of 4-byte elements (bench/NOTES.md #57): one 16K block with dropout under a cap of
+    # Rows of 4-byte elements (variant log #57): one 16K block with dropout under a cap of
     # 64 (bf16 x, fp32 stream) or on 32 warps under 80 (fp32), x1 with an fp32 stream on 32
     # warps under 64, split rows with dropout on 2 warps; add + RMSNorm's backward on 16
     # warps at 4096 columns, 8 at 16384.
@@ -139,18 +141,18 @@ MATRIX = (
     # 64 KB rows with dropout in 16 parts of 2K columns on 2 warps (bf16
     # above), RMSNorm's backward at 2048 columns on 2 stages .
     + [("drop_add_ln_prenorm", 32768, FP16), ("rms", 2048, BF16)]
-    # fp32 weights beside 16-bit rows (bench/NOTES.md #59): plain LayerNorm rows of 24K-32K
+    # fp32 weights beside 16-bit rows (variant log #59): plain LayerNorm rows of 24K-32K
     # columns split (held, 2 warps), held RMSNorm in 16 parts on 2 warps, the x1 path's one
     # block on 16 / 32 warps, and the backward of dropout / x1 rows without the exchange.
     + [("ln_w32", n, BF16) for n in (24576, 32768)]
     + [("ln_w32", 32768, FP16)]
     + [("rms_w32", 65536, d) for d in (BF16, FP16)]
     + [("x1_w1_w32", n, BF16) for n in (6144, 8192, 16384, 32768)]
-    # ... the x1 path's 16K forward block under a cap of 96 (bench/NOTES.md #62)
+    # ... the x1 path's 16K forward block under a cap of 96 (variant log #62)
     + [("x1_w1_w32", 16384, FP16)]
     + [("drop_add_ln_prenorm_w32", n, BF16) for n in (16384, 65536)]
     # ... LayerNorm's one 1024-column block on 1 warp and 16K rows in 2K lane-summed chunks
-    # beside fp32 weights, and its 4096-column row loading weights ahead (bench/NOTES.md
+    # beside fp32 weights, and its 4096-column row loading weights ahead (variant log
     # #100; 4096 bf16 in ALL_N)
     + [("ln_w32", n, BF16) for n in (1024, 16384, 16000)]
     + [("ln_w32", 1024, FP16)]

@@ -229,8 +229,8 @@ def test_parity_cuda(tmp_path, precision):
     on an H200 (torch 2.11, 2026-11-25) seed 0, the one run here, puts two correct torch
     formulations (nn.RMSNorm, and rsqrt of the mean square in fp32) 1.83e-2 apart at step 44 and
     fused 1.78e-2 from nn.RMSNorm but 5e-4 from the other; seeds 1-3 stay within 1.1e-3
-    (bench/NOTES.md #82). It catches gross errors only (the subtlest injected bug moves the loss
-    by 1.3e-2): the fp32 run is the sharp check.
+    (variant log #82: git show 0825aa7:bench/NOTES.md). It catches gross errors only (the
+    subtlest injected bug moves the loss by 1.3e-2): the fp32 run is the sharp check.
     """
     tol = PARITY_ATOL if precision == "fp32" else PARITY_ATOL_BF16
     flags = ["--device", "cuda", "--steps", "50", "--bench", "--precision", precision]
@@ -247,7 +247,7 @@ def diagnose_parity(tmp_path, flags, fused, ref) -> str:
     """Runs that tell a failed parity check's cause apart: the fused and torch runs again in
     this process, the fused run again with every plan and compiled-kernel cache of fused_norm
     emptied, and the fused run in a fresh process. Each run is bitwise reproducible on the GPU
-    (bench/NOTES.md #82), so whichever of them differs from the first points at the cause."""
+    (variant log #82), so whichever of them differs from the first points at the cause."""
     from collections import defaultdict
 
     from fused_norm import ops
