@@ -105,7 +105,8 @@ def candidates(direction, kind, n, plan, entry, explore):
     doubled. With it, every kind of override the tables hold, so that a GPU without a table
     can derive one: register caps (alone and with those warps), the full-row flag, whole waves
     (backward; for the Gluon kernel's rows, the Triton backward instead), and in the forward
-    chunked sweeps of plain 16-bit norms, split parts and a filled workspace for split rows."""
+    chunked sweeps of plain 16-bit norms, split parts, a filled workspace and the exchange words'
+    prefetch toggled for split rows."""
     out = [entry] if entry else []
     w = plan.num_warps
     warps = [v for v in (w // 2, w * 2) if 1 <= v <= 32]
@@ -132,6 +133,8 @@ def candidates(direction, kind, n, plan, entry, explore):
                 out += [{"part": p} for p in (2048, 4096, 8192) if p < n and p != c["BLOCK_N"]]
             if plan.split > 1 and plan.ws_reset:
                 out.append({"ws_fill": True})
+            if plan.split > 1:  # the exchange words' L2 prefetch, the other way round
+                out.append({"ws_prefetch": not c["WS_PREFETCH"]})
     uniq = []
     for cand in out:
         if cand and cand not in uniq:
