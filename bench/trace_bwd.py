@@ -1,12 +1,12 @@
 """Trace one backward shape: the event time of the backward call and the kernels it launched.
 
-    python3 bench/trace_bwd.py rms 131072 bfloat16      # RMSNorm, M = 2**27 / N rows
-    python3 bench/trace_bwd.py x1 262144 bfloat16       # x + x1 + residual, two LayerNorms
-    PYTHONPATH=/path/to/other/tree python3 bench/trace_bwd.py ln 65536 float16
+    python3 bench/trace_bwd.py rms 131072 bf16            # RMSNorm, M = 2**27 / N rows
+    python3 bench/trace_bwd.py parallel_ln 262144 bf16    # x + x1 + residual, two LayerNorms
+    PYTHONPATH=/path/to/other/tree python3 bench/trace_bwd.py ln 65536 fp16
 
-Workloads: ln, rms, x1 (bench.py's parallel_ln). Prints the median of a CUDA event pair around
-the backward (L2 evicted before each call, 30 calls), then the profiler's kernels over 5 calls
-of the whole loop (forward, the L2 flush's fill, backward): name, grid, block, registers,
+Workloads and dtypes are bench.py's, with its inputs. Prints the median of a CUDA event pair
+around the backward (L2 evicted before each call, 30 calls), then the profiler's kernels over 5
+calls of the whole loop (forward, the L2 flush's fill, backward): name, grid, block, registers,
 shared memory, calls, median µs. Run it on two trees (PYTHONPATH) to find which kernel of a
 row moved, as docs/tuning.md describes. GPU only.
 """
@@ -20,40 +20,26 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fused_norm
-from fused_norm import layer_norm_fn, rms_norm_fn
 
 
 def main(argv):
-    if len(argv) != 3 or argv[0] not in ("ln", "rms", "x1"):
+    # bench.py puts this repository first on sys.path: imported after fused_norm, so that the
+    # tree on PYTHONPATH is the one traced.
+    import bench as B  # (this directory is sys.path[0])
+
+    if len(argv) != 3 or argv[0] not in B.WORKLOADS or argv[2] not in B.DTYPES:
         sys.exit(__doc__)
-    wl, n, dt = argv[0], int(argv[1]), getattr(torch, argv[2])
+    wl, n, dt = B.WORKLOADS[argv[0]], int(argv[1]), argv[2]
     m = (1 << 27) // n
+    dev = torch.device("cuda")
     torch.manual_seed(0)
-
-    def act():
-        return torch.randn(m, n, device="cuda", dtype=dt, requires_grad=True)
-
-    def param(center):
-        return (center + 0.1 * torch.randn(n, device="cuda")).to(dt).requires_grad_()
-
-    x, w = act(), param(1.0)
-    if wl == "rms":
-        leaves = [x, w]
-        fwd = lambda: (rms_norm_fn(x, w, None, eps=1e-5),)  # noqa: E731
-    elif wl == "ln":
-        b = param(0.0)
-        leaves = [x, w, b]
-        fwd = lambda: (layer_norm_fn(x, w, b, eps=1e-5),)  # noqa: E731
-    else:
-        b, r, x1, w1, b1 = param(0.0), act(), act(), param(1.0), param(0.0)
-        leaves = [x, w, b, r, x1, w1, b1]
-        fwd = lambda: layer_norm_fn(x, w, b, residual=r, x1=x1, weight1=w1, bias1=b1,  # noqa: E731
-                                    prenorm=True, eps=1e-5)  # fmt: skip
-    dys = [torch.randn_like(o) for o in fwd()]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    args, leaves = B.make_inputs(wl, dt, m, n, dev)
+    dys = B.make_grads(wl, dt, m, n, dev)
+    forward = B._flash_style_forward(fused_norm, wl)
+    flush = torch.empty(B.L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
     def once():
-        ys = fwd()
+        ys = forward(*args)
         flush.zero_()
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         start.record()
@@ -66,7 +52,7 @@ def main(argv):
     events = [once() for _ in range(30)]
     torch.cuda.synchronize()
     us = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-    print(f"{fused_norm.__file__}\n{wl} N={n} M={m} {dt} backward: event median {us:.1f} us")
+    print(f"{fused_norm.__file__}\n{wl.name} N={n} M={m} {dt} backward: event median {us:.1f} us")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             once()
