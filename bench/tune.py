@@ -104,10 +104,16 @@ def candidates(direction, kind, n, plan, entry, explore):
     ``n`` columns. Without ``explore``: the table's entry and the rule's warps halved and
     doubled. With it, every kind of override the tables hold, so that a GPU without a table
     can derive one: register caps (alone and with those warps), the full-row flag, whole waves
-    (backward; for the Gluon kernel's rows, the Triton backward instead), and in the forward
-    chunked sweeps of plain 16-bit norms, split parts, a filled workspace and the exchange words'
-    prefetch toggled for split rows."""
+    (backward), and in the forward chunked sweeps of plain 16-bit norms, split parts, a filled
+    workspace and the exchange words' prefetch toggled for split rows. The Gluon backward's rows
+    get only their two: the Triton backward instead, and the prefetch toggled for sliced rows."""
     out = [entry] if entry else []
+    if direction == "bwd" and plan.hopper:  # the Gluon kernel takes no warps nor register cap
+        if explore:
+            out.append({"gluon": False})
+            if plan.constexprs["SPLIT"] > 1:  # sliced rows: their prefetch the other way round
+                out.append({"ws_prefetch": not plan.constexprs["WS_PREFETCH"]})
+        return _unique(out)
     w = plan.num_warps
     warps = [v for v in (w // 2, w * 2) if 1 <= v <= 32]
     out += [{"warps": v} for v in warps]
@@ -118,7 +124,7 @@ def candidates(direction, kind, n, plan, entry, explore):
                 out += [{"maxnreg": r, **({"warps": v} if v != w else {})}
                         for v in (w, *warps) if r * v * 32 <= 65536]  # fmt: skip
         if direction == "bwd":
-            out.append({"gluon": False} if plan.hopper else {"whole_waves": True})
+            out.append({"whole_waves": True})
         else:
             c = plan.constexprs
             out.append({"full_row": not c["FULL_ROW"]})
@@ -135,8 +141,12 @@ def candidates(direction, kind, n, plan, entry, explore):
                 out.append({"ws_fill": True})
             if plan.split > 1:  # the exchange words' L2 prefetch, the other way round
                 out.append({"ws_prefetch": not c["WS_PREFETCH"]})
+    return _unique(out)
+
+
+def _unique(cands) -> list:
     uniq = []
-    for cand in out:
+    for cand in cands:
         if cand and cand not in uniq:
             uniq.append(cand)
     return uniq

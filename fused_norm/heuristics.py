@@ -382,9 +382,11 @@ def _bwd_stages(d: Device, r: BwdRow, block, chunks, tail, tile_rows, exchange) 
 def backward_plan(d: Device, r: BwdRow) -> BwdPlan:
     """The backward's launch choices for rows like ``r`` on ``d``."""
     tags = dtype_tags(r.x_dtype, r.stream_bytes, r.weight_bytes)
-    # A table entry {"gluon": False} keeps rows of that width on the Triton backward.
-    if tuned(d, "bwd", kinds(r.base, r.is_rms), tags, (r.n,)).get("gluon", True):
-        hopper = _hopper_plan(d, r)
+    # Entries for the Gluon backward: {"gluon": False} keeps rows of that (padded) width on the
+    # Triton backward; {"ws_prefetch": False} turns off its sliced rows' prefetch.
+    gluon = tuned(d, "bwd", kinds(r.base, r.is_rms), tags, (r.n, f"pad{next_power_of_2(r.n)}"))
+    if gluon.get("gluon", True):
+        hopper = _hopper_plan(d, r, gluon.get("ws_prefetch", True))
         if hopper is not None:
             return hopper
     n = r.n
@@ -508,7 +510,7 @@ def partials_sum_layout(d: Device, n: int, partials: int, programs: int) -> dict
 HOPPER_WARPS = 16
 
 
-def _hopper_plan(d: Device, r: BwdRow) -> Optional[BwdPlan]:
+def _hopper_plan(d: Device, r: BwdRow, prefetch: bool = True) -> Optional[BwdPlan]:
     n, p = r.n, r.partials
     if not (d.hopper and r.aligned and HOPPER_MIN <= n <= HOPPER_MAX and n % 16 == 0):
         return None
@@ -556,9 +558,9 @@ def _hopper_plan(d: Device, r: BwdRow) -> Optional[BwdPlan]:
         TAIL_VEC=max(tail // (32 * HOPPER_WARPS), 1), NUM_WARPS=HOPPER_WARPS, SPLIT=split,
         SPLIT_P2=next_power_of_2(split), LAG=lag, DRES_REGS=dres_regs,
         # Slices' exchange words asked of L2 first: written a launch ago, they are cold, and
-        # each wait's first read went to memory (+1-7% at 32K-256K); not x1's 4-byte slices
-        # (16K -10%).
-        WS_PREFETCH=split > 1 and not (x1 and eb == 4),
+        # each wait's first read went to memory (+1-7% at 32K-256K); a table entry
+        # {"ws_prefetch": False} turns it off for a width.
+        WS_PREFETCH=split > 1 and prefetch,
     )  # fmt: skip
     return BwdPlan(True, HOPPER_WARPS, None, block, split, tail, split > 1, constexprs, None,
                    1, False)  # fmt: skip
