@@ -321,11 +321,12 @@ def markdown(rows, env, checks) -> str:
     earlier = env.get("earlier_runs") or []
     if earlier:
         out.append("")
+        dates = sorted(str(e.get("date")) for e in [*earlier, env] if e.get("date"))
+        span = f", {dates[0]} to {dates[-1]}" if dates else ""
         out.append(
-            f"Rows merged from {len(earlier) + 1} runs (`--append`); each row's `% copy` uses the "
-            "copy ceiling of its own run (`copy_gbps` column). Earlier commands: "
-            + "; ".join(f"`{e.get('command')}`" for e in earlier)
-            + "."
+            f"Rows merged from {len(earlier) + 1} runs (`--append`{span}); each row's `% copy` "
+            "uses the copy ceiling of its own run (`copy_gbps` column); `env.json` "
+            "(`earlier_runs`) keeps every run's command."
         )
     if env.get("providers_unavailable"):
         out.append(
