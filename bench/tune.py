@@ -5,7 +5,9 @@ For each row (direction, kind, dtype tag, width) the script times the plan of th
 (``heuristics``, with no table) against candidate overrides: the current table's entry, the
 rule's warps halved and doubled, and with ``--explore`` more (register caps, the full-row
 flag, chunked forward rows of plain norms). A candidate enters the new table only where it beats
-the rules' plan by at least ``--min-gain`` (3%). Timing: the kernels of one direction alone,
+the rules' plan by at least ``--min-gain`` (3%); the table's entry stays where it still does,
+unless another candidate beats the entry by that much too (no churn between near-equal
+overrides). Timing: the kernels of one direction alone,
 M·N = ``--elements``, L2 flushed, the host covered, median of CUDA-event times (bench.py's).
 
     python3 -u bench/tune.py                     # the current table's rows (~2 min, H200)
@@ -240,7 +242,7 @@ def main():
             entry = live.pop(key, None)  # the rules alone for this row
             rule_plan = plan_of(direction, kind, tag, width, n, dev)
             base = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
-            best, best_t = None, base
+            best, best_t, entry_t = None, base, None
             for cand in candidates(direction, kind, n, rule_plan, entry, args.explore):
                 live[key] = cand
                 try:
@@ -252,8 +254,12 @@ def main():
                     continue
                 lines.append(f"{key} {cand}: {t * 1e6:.1f} us vs rules {base * 1e6:.1f} us")
                 print(f"[{time.perf_counter() - t0:6.1f}s] {lines[-1]}", flush=True)
+                entry_t = t if cand == entry else entry_t
                 if t < best_t:
                     best, best_t = cand, t
+            gain = 1 - args.min_gain
+            if entry_t is not None and entry_t <= base * gain and best_t > entry_t * gain:
+                best, best_t = entry, entry_t  # a kept entry stays unless beaten by min_gain
             if best is not None and best_t <= base * (1 - args.min_gain):
                 new[key] = best
                 print(f"  keep {key}: {best} ({base / best_t - 1:+.1%})", flush=True)
