@@ -154,6 +154,21 @@ def _unique(cands) -> list:
     return uniq
 
 
+def pick(base: float, timed: list, entry, min_gain: float):
+    """The override to keep from ``timed`` ((candidate, seconds) pairs) against the rules'
+    ``base`` seconds: the fastest, if it beats ``base`` by ``min_gain``; but the table's
+    ``entry``, where it beats ``base`` by that much too, unless the fastest also beats the
+    entry by ``min_gain`` (near-equal overrides do not swap between runs). None: keep none."""
+    if not timed:
+        return None
+    best, best_t = min(timed, key=lambda ct: ct[1])
+    entry_t = next((t for c, t in timed if entry is not None and c == entry), None)
+    keep = 1 - min_gain
+    if entry_t is not None and entry_t <= base * keep and best_t > entry_t * keep:
+        return entry
+    return best if best_t <= base * keep else None
+
+
 def quick_rows() -> list:
     """The rows of ``make bench``: five workloads, both directions, bf16, five widths."""
     return [(direction, kind, "bf16", n) for kind in ("ln", "rms", "add_rms", "drop_ln", "x1_ln")
@@ -242,7 +257,7 @@ def main():
             entry = live.pop(key, None)  # the rules alone for this row
             rule_plan = plan_of(direction, kind, tag, width, n, dev)
             base = time_direction(direction, kind, tag, n, args.elements, clock, args.iters)
-            best, best_t, entry_t = None, base, None
+            timed = []
             for cand in candidates(direction, kind, n, rule_plan, entry, args.explore):
                 live[key] = cand
                 try:
@@ -254,15 +269,12 @@ def main():
                     continue
                 lines.append(f"{key} {cand}: {t * 1e6:.1f} us vs rules {base * 1e6:.1f} us")
                 print(f"[{time.perf_counter() - t0:6.1f}s] {lines[-1]}", flush=True)
-                entry_t = t if cand == entry else entry_t
-                if t < best_t:
-                    best, best_t = cand, t
-            gain = 1 - args.min_gain
-            if entry_t is not None and entry_t <= base * gain and best_t > entry_t * gain:
-                best, best_t = entry, entry_t  # a kept entry stays unless beaten by min_gain
-            if best is not None and best_t <= base * (1 - args.min_gain):
+                timed.append((cand, t))
+            best = pick(base, timed, entry, args.min_gain)
+            if best is not None:
                 new[key] = best
-                print(f"  keep {key}: {best} ({base / best_t - 1:+.1%})", flush=True)
+                t = next(v for c, v in timed if c == best)
+                print(f"  keep {key}: {best} ({base / t - 1:+.1%})", flush=True)
     finally:
         live.clear()
         live.update(original if not args.smoke else {})

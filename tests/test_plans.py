@@ -688,6 +688,25 @@ def test_tuner_proposes_every_table_entry(monkeypatch, rows_for):
         assert not missing, f"{arch}: entries tune.py --explore does not propose: {missing}"
 
 
+def test_tuner_keeps_the_fastest_override_and_a_still_winning_entry():
+    """tune.pick: an override is kept only if it beats the rules by min_gain; the table's
+    entry stays where it still does, unless another candidate beats the entry by min_gain too."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from tune import pick
+
+    a, b, entry = {"warps": 8}, {"warps": 16}, {"maxnreg": 128}
+    assert pick(100.0, [], None, 0.03) is None
+    assert pick(100.0, [(a, 98.0)], None, 0.03) is None  # 2%: below the bar
+    assert pick(100.0, [(a, 96.0), (b, 90.0)], None, 0.03) == b  # the fastest
+    assert pick(100.0, [(entry, 80.0), (b, 79.5)], entry, 0.03) == entry  # near-equal: no swap
+    assert pick(100.0, [(entry, 80.0), (b, 70.0)], entry, 0.03) == b  # beaten by 12.5%
+    assert pick(100.0, [(entry, 98.0), (b, 96.0)], entry, 0.03) == b  # the entry no longer wins
+    assert pick(100.0, [(entry, 98.0), (b, 99.0)], entry, 0.03) is None
+
+
 def test_table_lookup_prefers_the_most_specific_entry(monkeypatch):
     """heuristics.tuned: the first key found, kinds, tags and widths each from the most to the
     least specific (a generated table may hold an entry and a more general one)."""
