@@ -4,10 +4,10 @@
     python3 bench/trace_bwd.py parallel_ln 262144 bf16    # x + x1 + residual, two LayerNorms
     PYTHONPATH=/path/to/other/tree python3 bench/trace_bwd.py ln 65536 fp16
 
-Workloads and dtypes are bench.py's, with its inputs. Prints the median of a CUDA event pair
-around the backward (L2 evicted before each call, 30 calls), then the profiler's kernels over 5
-calls of the whole loop (forward, the L2 flush's fill, backward): name, grid, block, registers,
-shared memory, calls, median µs. Run it on two trees (PYTHONPATH) to find which kernel of a
+Workloads and dtypes are bench.py's, with its inputs and its clock: prints the median CUDA-event
+time of the backward (L2 evicted and the host covered before each call, 30 calls), then the
+profiler's kernels over 5 such calls (forward, the L2 flush's fill, backward): name, grid,
+block, registers, shared memory, calls, median µs. Run it on two trees (PYTHONPATH) to find which kernel of a
 row moved, as docs/tuning.md describes. GPU only.
 """
 
@@ -36,30 +36,24 @@ def main(argv):
     args, leaves = B.make_inputs(wl, dt, m, n, dev)
     dys = B.make_grads(wl, dt, m, n, dev)
     forward = B._flash_style_forward(fused_norm, wl)
-    flush = torch.empty(B.L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    clock = B.Clock(dev)
 
-    def once():
-        ys = forward(*args)
-        flush.zero_()
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        torch.autograd.grad(ys, leaves, dys)
-        end.record()
-        return start, end
+    def setup():
+        return forward(*args)
+
+    def backward(ys):
+        return torch.autograd.grad(ys, leaves, dys)
 
     for _ in range(5):
-        once()
-    events = [once() for _ in range(30)]
-    torch.cuda.synchronize()
-    us = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+        backward(setup())
+    us = clock.median(backward, setup, 30) * 1e6
     print(f"{fused_norm.__file__}\n{wl.name} N={n} M={m} {dt} backward: event median {us:.1f} us")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            once()
-        torch.cuda.synchronize()
+        clock.median(backward, setup, 5)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as g:
+            trace = json.load(g)
     kernels = {}
     for ev in trace["traceEvents"]:
         if ev.get("cat") == "kernel":

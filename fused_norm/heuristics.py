@@ -510,7 +510,7 @@ def partials_sum_layout(d: Device, n: int, partials: int, programs: int) -> dict
 HOPPER_WARPS = 16
 
 
-def _hopper_plan(d: Device, r: BwdRow, prefetch: bool = True) -> Optional[BwdPlan]:
+def _hopper_plan(d: Device, r: BwdRow, prefetch: bool) -> Optional[BwdPlan]:
     n, p = r.n, r.partials
     if not (d.hopper and r.aligned and HOPPER_MIN <= n <= HOPPER_MAX and n % 16 == 0):
         return None
